@@ -7,6 +7,50 @@ numerically fragile operations stay in float32. Loss scaling and optax
 integration complete the training story.
 """
 
+from ._amp import amp as amp
+from ._amp import amp_stop as amp_stop
+from ._amp import force_full_precision as force_full_precision
+from ._higher_order import register_higher_order as register_higher_order
+from ._policy import Policy as Policy
+from ._policy import cast_to_bfloat16 as cast_to_bfloat16
+from ._policy import cast_to_float16 as cast_to_float16
+from ._policy import cast_to_float32 as cast_to_float32
+from ._policy import cast_to_full_precision as cast_to_full_precision
+from ._policy import cast_to_half_precision as cast_to_half_precision
+from ._policy import cast_tree as cast_tree
+from ._policy import get_policy as get_policy
+from ._policy import set_half_precision_dtype as set_half_precision_dtype
+from ._rules import default_amp_policy as default_amp_policy
+from ._rules import follow_compute_precision as follow_compute_precision
+from ._rules import keep_current_precision as keep_current_precision
+from ._rules import use_compute_precision as use_compute_precision
+from ._rules import use_full_precision as use_full_precision
+from ._rules import use_original_precision as use_original_precision
+from ._rules import use_precision as use_precision
+from ._rules import use_widest_precision as use_widest_precision
+
 __version__ = "0.1.0"
 
-__all__ = ()
+__all__ = (
+    "Policy",
+    "amp",
+    "amp_stop",
+    "cast_to_bfloat16",
+    "cast_to_float16",
+    "cast_to_float32",
+    "cast_to_full_precision",
+    "cast_to_half_precision",
+    "cast_tree",
+    "default_amp_policy",
+    "follow_compute_precision",
+    "force_full_precision",
+    "get_policy",
+    "keep_current_precision",
+    "register_higher_order",
+    "set_half_precision_dtype",
+    "use_compute_precision",
+    "use_full_precision",
+    "use_original_precision",
+    "use_precision",
+    "use_widest_precision",
+)

@@ -1,0 +1,162 @@
+"""``amp()``: automatic mixed precision by jaxpr rewriting; ``amp_stop``."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from . import _compat
+from ._dtypes import canonical_dtype
+from ._interpreter import AmpContext, AmpPolicy, eval_jaxpr, restore
+from ._rules import Rule, default_amp_policy
+
+
+def amp(
+    fn: Callable | None = None,
+    *,
+    compute_dtype: Any = jnp.float16,
+    amp_policy: Mapping[Any, Rule] = default_amp_policy,
+) -> Callable:
+    """Run ``fn`` in automatic mixed precision.
+
+    ``fn`` is traced to a jaxpr; every equation, including those inside
+    ``jit``, ``scan``, ``while``, ``cond``, ``remat``, ``custom_jvp``,
+    ``custom_vjp`` and ``shard_map``, is re-bound with its inputs cast by the
+    rule ``amp_policy`` gives it: by default matmuls and convolutions in
+    ``compute_dtype``, range-critical ops (exp, log, sums, ...) in float32, the
+    rest following their inputs (PyTorch autocast's op lists,
+    https://pytorch.org/docs/stable/amp.html, mapped onto JAX primitives).
+
+    Usable as ``amp(fn)``, ``amp(fn, compute_dtype=...)``, ``@amp`` and
+    ``amp(compute_dtype=...)(fn)`` (jaxamp 0.0.4's signature). Composes with
+    ``jit``, ``grad``, ``vjp``, ``vmap`` (with ``axis_name`` collectives) and
+    with itself.
+
+    Args:
+        fn: a function of any pytrees (Equinox modules, dicts, ...); array leaves
+            are traced, other leaves are static.
+        compute_dtype: the low-precision dtype for matmuls (``jnp.float16`` by
+            default, as in jaxamp 0.0.4; ``jnp.bfloat16`` needs no loss scaling).
+            A dtype or a name such as ``"bf16"``.
+        amp_policy: mapping from primitive objects, primitive names or
+            ``jax.named_scope`` names (plus ``"amp_stop"`` and
+            ``"amp_default"``) to rules
+            ``rule(compute_dtype, original_dtypes, *invars, **params)``.
+
+    Returns:
+        A function with ``fn``'s signature whose outputs have the pytree
+        structure and dtypes that ``fn`` returns.
+
+    Raises:
+        TypeError: if ``fn`` is not callable, or a policy key/value is invalid.
+        ValueError: if ``compute_dtype`` is not a floating dtype.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, jaxamp
+        >>> f = jaxamp.amp(lambda w, x: jnp.tanh(x @ w).sum(),
+        ...                compute_dtype=jnp.bfloat16)
+        >>> f(jnp.ones((3, 2)), jnp.ones((4, 3))).dtype
+        dtype('float32')
+    """
+    compute_dtype = canonical_dtype(compute_dtype, argname="compute_dtype")
+    policy = AmpPolicy(amp_policy)
+    if fn is None:
+        return functools.partial(amp, compute_dtype=compute_dtype, amp_policy=policy)
+    if not callable(fn):
+        raise TypeError(
+            f"amp(fn): fn must be callable, got {type(fn).__name__}. Use "
+            "jaxamp.amp(loss_fn) or @jaxamp.amp."
+        )
+    ctx = AmpContext(compute_dtype, policy)
+
+    @functools.wraps(fn)
+    def amp_fn(*args, **kwargs):
+        dynamic, static = eqx.partition((args, kwargs), eqx.is_array)
+        leaves, treedef = jax.tree_util.tree_flatten(dynamic)
+        out_tree = []
+
+        def flat_fn(*flat):
+            a, kw = eqx.combine(jax.tree_util.tree_unflatten(treedef, flat), static)
+            out = fn(*a, **kw)
+            out_dyn, out_static = eqx.partition(out, eqx.is_array)
+            out_leaves, out_def = jax.tree_util.tree_flatten(out_dyn)
+            out_tree.append((out_def, out_static))
+            return out_leaves
+
+        closed = _compat.trace_to_closed_jaxpr(
+            flat_fn, [jax.typeof(x) for x in leaves], getattr(fn, "__name__", "amp")
+        )
+        core, consts = _compat.jaxpr_parts(closed)
+        outs = eval_jaxpr(core, consts, leaves, ctx)
+        outs = [restore(x, v.aval) for x, v in zip(outs, core.outvars)]
+        out_def, out_static = out_tree[0]
+        return eqx.combine(jax.tree_util.tree_unflatten(out_def, outs), out_static)
+
+    return amp_fn
+
+
+@contextlib.contextmanager
+def _amp_stop_scope():
+    with jax.named_scope("amp_stop"):
+        yield
+
+
+def amp_stop(fn: Callable | None = None):
+    """Keep a region in the dtypes it was traced with (no mixed precision).
+
+    Usable as a context manager (``with jaxamp.amp_stop(): ...``) or as a
+    decorator (``@jaxamp.amp_stop``). It opens the ``jax.named_scope``
+    ``"amp_stop"``, which every policy maps to ``use_original_precision``; the
+    scope is seen inside ``jit``/``scan``/... bodies too.
+
+    Args:
+        fn: the function to decorate, or None for the context manager form.
+
+    Returns:
+        The decorated function, or a context manager.
+    """
+    if fn is None:
+        return _amp_stop_scope()
+    if not callable(fn):
+        raise TypeError(f"amp_stop(fn): fn must be callable, got {type(fn).__name__}.")
+
+    @functools.wraps(fn)
+    def stopped(*args, **kwargs):
+        with _amp_stop_scope():
+            return fn(*args, **kwargs)
+
+    return stopped
+
+
+def force_full_precision(fn: Callable) -> Callable:
+    """Decorator: run ``fn`` in full precision even inside ``amp`` (mpx's name).
+
+    Floating array inputs are cast to float32 on entry (mpx semantics) and the
+    body is marked ``amp_stop`` so amp leaves it in the traced dtypes.
+
+    Args:
+        fn: any function of pytrees.
+
+    Returns:
+        The wrapped function.
+    """
+    from ._policy import cast_to_full_precision
+
+    if not callable(fn):
+        raise TypeError(
+            f"force_full_precision(fn): fn must be callable, got {type(fn).__name__}."
+        )
+
+    @functools.wraps(fn)
+    def full(*args, **kwargs):
+        args, kwargs = cast_to_full_precision((args, kwargs))
+        with _amp_stop_scope():
+            return fn(*args, **kwargs)
+
+    return full

@@ -1,0 +1,181 @@
+"""Every JAX-version branch and every private JAX import of jaxamp lives here.
+
+Each item names the JAX version that made it necessary. Supported: JAX 0.10.x
+(Python 3.11) and 0.11.x (Python 3.12).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+# Private: partial_eval has no public equivalent of trace_to_jaxpr_dynamic, which
+# retraces a function over *exact* avals (weak types, shardings and shard_map's
+# varying-manual-axes included); jax.make_jaxpr over ShapeDtypeStructs drops vma.
+from jax._src import core as _core  # JAX 0.10 / 0.11: private
+from jax._src import source_info_util as _siu  # JAX 0.10 / 0.11: private
+from jax._src.interpreters import partial_eval as _pe  # JAX 0.10 / 0.11: private
+from jax.extend import core as jex_core
+from jax.extend import linear_util as lu
+
+JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
+
+ClosedJaxpr = jex_core.ClosedJaxpr
+Jaxpr = jex_core.Jaxpr
+Literal = jex_core.Literal
+Primitive = jex_core.Primitive
+
+
+# JAX >= 0.11: ClosedJaxpr and Jaxpr are one class (a Jaxpr carries its consts).
+MERGED_JAXPR = ClosedJaxpr is Jaxpr
+
+
+def is_jaxpr(x: Any) -> bool:
+    """True for a Jaxpr or ClosedJaxpr (a sub-jaxpr parameter)."""
+    return isinstance(x, (Jaxpr, ClosedJaxpr))
+
+
+def jaxpr_parts(j: Any) -> tuple[Any, list]:
+    """``(jaxpr with constvars/invars/outvars/eqns, consts)`` of a (closed) jaxpr."""
+    if MERGED_JAXPR:  # JAX >= 0.11
+        return j, list(j.consts)
+    if isinstance(j, ClosedJaxpr):  # JAX 0.10
+        return j.jaxpr, list(j.consts)
+    return j, []
+
+
+def like(orig: Any, new: Any) -> Any:
+    """``new`` (a closed jaxpr) in the form of ``orig``: closed or open.
+
+    Returns None when ``orig`` is an open jaxpr (JAX 0.10 ``remat2``/``shard_map``
+    params) but ``new`` needs consts it cannot carry.
+    """
+    if MERGED_JAXPR:  # JAX >= 0.11
+        return None if (new.consts and not orig.consts) else new
+    if isinstance(orig, ClosedJaxpr):
+        return new
+    return None if new.consts else new.jaxpr
+
+
+def bind_params(primitive: Primitive, params: dict) -> dict:
+    """Bind parameters of an equation as one dict.
+
+    JAX >= 0.9.2: ``get_bind_params`` returns a dict, with ``subfuns`` (if any)
+    passed by keyword. Older JAX returned ``(subfuns, params)``; we fold the
+    subfuns into the dict under ``"subfuns"`` so :func:`bind` can unfold them.
+    """
+    out = primitive.get_bind_params(params)
+    if isinstance(out, tuple):  # JAX < 0.9.2
+        subfuns, out = out
+        out = dict(out)
+        if subfuns:
+            out["subfuns"] = tuple(subfuns)
+    return out
+
+
+def bind(primitive: Primitive, invals: Sequence[Any], params: dict) -> Any:
+    """``primitive.bind`` with params as returned by :func:`bind_params`."""
+    if JAX_VERSION < (0, 9, 2) and "subfuns" in params:  # JAX < 0.9.2
+        params = dict(params)
+        subfuns = params.pop("subfuns")
+        return primitive.bind(*subfuns, *invals, **params)
+    return primitive.bind(*invals, **params)
+
+
+def eqn_context(eqn: Any, name_stack_prefix: Any = None):
+    """Context that replays an equation's source info, name stack and eqn.ctx.
+
+    Mirrors ``jax._src.core.eval_jaxpr`` (JAX 0.10): profiles and error messages
+    keep pointing at user code.
+    """
+    ns = _siu.current_name_stack() + eqn.source_info.name_stack
+    stack = contextlib.ExitStack()
+    stack.enter_context(_siu.user_context(eqn.source_info.traceback, name_stack=ns))
+    manager = getattr(getattr(eqn, "ctx", None), "manager", None)
+    if manager is not None:
+        stack.enter_context(manager)
+    return stack
+
+
+def scope_names(eqn: Any) -> tuple[str, ...]:
+    """The ``jax.named_scope`` components on an equation's name stack, outermost
+    first. Transform markers (``jvp(...)``, ``transpose(...)``) are skipped."""
+    stack = getattr(eqn.source_info.name_stack, "stack", ())
+    out = []
+    for item in stack:
+        name = getattr(item, "name", None)
+        if name is not None and type(item).__name__ == "Scope":
+            out.extend(p for p in str(name).split("/") if p)
+    return tuple(out)
+
+
+def trace_to_closed_jaxpr(
+    fn: Callable, in_avals: Sequence[Any], name: str = "jaxamp"
+) -> ClosedJaxpr:
+    """Trace ``fn(*args)`` (flat list in, flat list out) over exact ``in_avals``.
+
+    Uses the current trace context (axis env, abstract mesh), so collectives
+    with ``vmap``/``shard_map`` axis names stay valid.
+    """
+    dbg = _debug_info(name, fn, len(in_avals))
+    wrapped = lu.wrap_init(fn, debug_info=dbg)
+    jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(wrapped, list(in_avals))
+    return ClosedJaxpr(jaxpr, consts)
+
+
+def _debug_info(name: str, fn: Callable, nargs: int):
+    # JAX >= 0.5: DebugInfo(traced_for, func_src_info, arg_names, result_paths).
+    return jex_core.DebugInfo(
+        name,
+        getattr(fn, "__name__", name),
+        tuple(f"x{i}" for i in range(nargs)),
+        None,
+    )
+
+
+def wrap_fun(fn: Callable, like: Any) -> Any:
+    """A ``lu.WrappedFun`` of ``fn`` carrying the debug info of ``like``."""
+    return lu.wrap_init(fn, debug_info=like.debug_info)
+
+
+def shard_map_context(params: dict):
+    """The context ``shard_map`` traces its body in: axis env of the manual mesh
+    axes, the manual abstract mesh, and the check_vma flag.
+
+    Mirrors ``jax._src.shard_map._shard_map_staging`` (JAX 0.10).
+    """
+    from jax._src import config as _config  # JAX 0.10 / 0.11: private
+    from jax._src.mesh import use_abstract_mesh  # JAX 0.10 / 0.11: private
+
+    mesh = params["mesh"]
+    newly = params.get("newly_manual_axes", frozenset(mesh.axis_names))
+    manual = set(newly) | set(getattr(mesh, "manual_axes", ()))
+    stack = contextlib.ExitStack()
+    stack.enter_context(
+        _core.extend_axis_env_nd([(k, v) for k, v in mesh.shape.items() if k in manual])
+    )
+    from jax.sharding import AxisType
+
+    inner = mesh.abstract_mesh.update_axis_types({n: AxisType.Manual for n in newly})
+    stack.enter_context(use_abstract_mesh(inner))
+    if "check_vma" in params:
+        stack.enter_context(_config._check_vma(params["check_vma"]))
+    return stack
+
+
+def convert(x: Any, dtype: Any, weak_type: bool = False) -> Any:
+    """``lax.convert_element_type`` that can also produce a weak-typed result
+    (needed to give a sub-jaxpr output exactly its declared aval)."""
+    if not weak_type:
+        return jax.lax.convert_element_type(x, dtype)
+    from jax._src.lax import lax as _lax  # JAX 0.10 / 0.11: private
+
+    return _lax._convert_element_type(x, dtype, weak_type=True)
+
+
+def aval_of(x: Any) -> Any:
+    """The abstract value of an array, tracer or Python scalar."""
+    return jax.typeof(x)

@@ -1,0 +1,207 @@
+"""Registry: higher-order primitive -> how its sub-jaxprs are rewritten.
+
+The default rule rewrites each sub-jaxpr into one with *identical input and
+output avals* (the casts live inside) and re-binds the same primitive with the
+new jaxpr. Shardings, donation, layouts, scan/while bookkeeping and any
+parameter JAX adds later stay valid, and loop carries keep their traced dtype.
+
+``custom_jvp_call`` / ``custom_vjp_call`` rewrite the primal computation *and*
+wrap the user's jvp / fwd / bwd rules so that they still run under
+``jax.grad`` (in mixed precision too), never inlined away.
+
+A primitive with sub-jaxprs that is not registered here (e.g. ``pallas_call``)
+runs unchanged, with its inputs restored to their traced dtypes.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from . import _compat
+from ._interpreter import AmpContext, eval_jaxpr, restore
+
+HigherOrderRule = Callable[[Any, list, AmpContext], Any]
+
+higher_order_rules: dict[str, HigherOrderRule] = {}
+
+# sub-jaxpr -> {context key: rewritten jaxpr}. Keyed weakly by the jaxpr object:
+# jit caches its traces, so one jitted layer called N times is rewritten once.
+_REWRITES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def register_higher_order(*names: str) -> Callable[[HigherOrderRule], HigherOrderRule]:
+    """Register ``rule(eqn, invals, ctx) -> outvals`` for primitive ``names``."""
+
+    def register(rule: HigherOrderRule) -> HigherOrderRule:
+        for name in names:
+            higher_order_rules[name] = rule
+        return rule
+
+    return register
+
+
+def rewrite_equation(eqn: Any, invals: list, ctx: AmpContext) -> Any:
+    """Outputs of a higher-order equation, or None for an ordinary primitive."""
+    rule = higher_order_rules.get(eqn.primitive.name)
+    if rule is not None:
+        return rule(eqn, invals, ctx)
+    if any(_compat.is_jaxpr(j) for j in _param_jaxprs(eqn.params)):
+        return run_unchanged(eqn, invals, ctx)
+    return None
+
+
+def _param_jaxprs(params: dict):
+    for val in params.values():
+        yield from val if isinstance(val, (tuple, list)) else (val,)
+
+
+def rewrite_jaxpr(jaxpr: Any, ctx: AmpContext) -> Any:
+    """``jaxpr`` rewritten under ``ctx``, with identical in/out avals.
+
+    Returns a jaxpr of the same kind (closed or open), or None when an open
+    jaxpr would need constants it cannot carry (the caller then runs the
+    equation unchanged).
+    """
+    try:
+        per_jaxpr = _REWRITES.setdefault(jaxpr, {})
+    except TypeError:  # not weak-referenceable: no caching
+        per_jaxpr = {}
+    key = ctx.key
+    if key not in per_jaxpr:
+        per_jaxpr[key] = _compat.like(jaxpr, _retrace(jaxpr, ctx))
+    return per_jaxpr[key]
+
+
+def _retrace(jaxpr: Any, ctx: AmpContext) -> Any:
+    core, consts = _compat.jaxpr_parts(jaxpr)
+    out_avals = [v.aval for v in core.outvars]
+
+    def amp_body(*args):
+        outs = eval_jaxpr(core, consts, args, ctx)
+        return [restore(x, a) for x, a in zip(outs, out_avals)]
+
+    return _compat.trace_to_closed_jaxpr(amp_body, [v.aval for v in core.invars])
+
+
+def _restore_inputs(eqn: Any, invals: list) -> list:
+    return [restore(x, v.aval) for x, v in zip(invals, eqn.invars)]
+
+
+def run_unchanged(eqn: Any, invals: list, ctx: AmpContext) -> Any:
+    """Bind the equation as traced, inputs restored to their traced dtypes."""
+    del ctx
+    params = _compat.bind_params(eqn.primitive, eqn.params)
+    return _compat.bind(eqn.primitive, _restore_inputs(eqn, invals), params)
+
+
+def _rewrite_params(params: dict, ctx: AmpContext) -> dict | None:
+    new = dict(params)
+    for name, val in params.items():
+        if _compat.is_jaxpr(val):
+            new[name] = rewrite_jaxpr(val, ctx)
+            if new[name] is None:
+                return None
+        elif isinstance(val, tuple) and val and all(map(_compat.is_jaxpr, val)):
+            new[name] = tuple(rewrite_jaxpr(v, ctx) for v in val)
+            if any(v is None for v in new[name]):
+                return None
+    return new
+
+
+@register_higher_order(
+    "jit",
+    "pjit",
+    "closed_call",
+    "core_call",
+    "remat2",
+    "checkpoint",
+    "scan",
+    "while",
+    "cond",
+)
+def rewrite_subjaxprs(eqn: Any, invals: list, ctx: AmpContext) -> Any:
+    """Default rule: rewrite every sub-jaxpr parameter, re-bind the primitive."""
+    new_params = _rewrite_params(eqn.params, ctx)
+    if new_params is None:
+        return run_unchanged(eqn, invals, ctx)
+    params = _compat.bind_params(eqn.primitive, new_params)
+    return _compat.bind(eqn.primitive, _restore_inputs(eqn, invals), params)
+
+
+@register_higher_order("shard_map")
+def _shard_map(eqn: Any, invals: list, ctx: AmpContext) -> Any:
+    # The body is traced in shard_map's own context: manual mesh axes bound.
+    with _compat.shard_map_context(eqn.params):
+        new_params = _rewrite_params(eqn.params, ctx)
+    if new_params is None:
+        return run_unchanged(eqn, invals, ctx)
+    params = _compat.bind_params(eqn.primitive, new_params)
+    return _compat.bind(eqn.primitive, _restore_inputs(eqn, invals), params)
+
+
+def _amp_closed_jaxpr(jaxpr: Any, consts: list, ctx: AmpContext) -> tuple[Any, list]:
+    new = rewrite_jaxpr(_compat.ClosedJaxpr(jaxpr, consts), ctx)
+    return _compat.jaxpr_parts(new)
+
+
+@register_higher_order("custom_jvp_call")
+def _custom_jvp_call(eqn: Any, invals: list, ctx: AmpContext) -> Any:
+    params = dict(eqn.params)
+    params["call_jaxpr"] = rewrite_jaxpr(params["call_jaxpr"], ctx)
+    user_jvp = params["jvp_jaxpr_fun"]
+
+    def amp_jvp(*zeros):
+        # The user's jvp rule, traced by JAX, rewritten with identical avals.
+        jvp_jaxpr, jvp_consts, *rest = user_jvp.call_wrapped(*zeros)
+        return (*_amp_closed_jaxpr(jvp_jaxpr, jvp_consts, ctx), *rest)
+
+    params["jvp_jaxpr_fun"] = _compat.wrap_fun(amp_jvp, user_jvp)
+    bparams = _compat.bind_params(eqn.primitive, params)
+    return _compat.bind(eqn.primitive, _restore_inputs(eqn, invals), bparams)
+
+
+@register_higher_order("custom_vjp_call")
+def _custom_vjp_call(eqn: Any, invals: list, ctx: AmpContext) -> Any:
+    params = dict(eqn.params)
+    params["call_jaxpr"] = rewrite_jaxpr(params["call_jaxpr"], ctx)
+    user_fwd, user_bwd = params["fwd_jaxpr_thunk"], params["bwd"]
+
+    def amp_fwd(*nonzeros):
+        fwd_jaxpr, fwd_consts = user_fwd.call_wrapped(*nonzeros)
+        return _amp_closed_jaxpr(fwd_jaxpr, fwd_consts, ctx)
+
+    def amp_bwd(*args):
+        return _amp_call(user_bwd.call_wrapped, args, ctx)
+
+    params["fwd_jaxpr_thunk"] = _compat.wrap_fun(amp_fwd, user_fwd)
+    params["bwd"] = _compat.wrap_fun(amp_bwd, user_bwd)
+    bparams = _compat.bind_params(eqn.primitive, params)
+    return _compat.bind(eqn.primitive, _restore_inputs(eqn, invals), bparams)
+
+
+def _amp_call(fn: Callable, args: tuple, ctx: AmpContext) -> list:
+    """Call ``fn(*args) -> flat list`` with its computation rewritten.
+
+    Outputs that are not arrays (symbolic zeros of a bwd rule) pass through.
+    """
+    others: dict[int, Any] = {}
+
+    def arrays_only(*xs):
+        outs = list(fn(*xs))
+        for i, o in enumerate(outs):
+            if not isinstance(o, jax.Array):
+                others[i] = o
+        return [o for i, o in enumerate(outs) if i not in others]
+
+    closed = _compat.trace_to_closed_jaxpr(arrays_only, [jax.typeof(a) for a in args])
+    core, consts = _compat.jaxpr_parts(closed)
+    outs = iter(
+        restore(x, v.aval)
+        for x, v in zip(eval_jaxpr(core, consts, args, ctx), core.outvars)
+    )
+    n = len(core.outvars) + len(others)
+    return [others[i] if i in others else next(outs) for i in range(n)]

@@ -1,0 +1,187 @@
+"""The equation loop: read, look up scope/primitive rule, cast, bind, write.
+
+This module is mechanism only. Which dtype a primitive runs in is data
+(:mod:`jaxamp._rules`); how a sub-jaxpr is rewritten is structure
+(:mod:`jaxamp._higher_order`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import _compat
+from ._rules import Rule, cast, cast_cache, default_amp_policy
+
+_SPECIAL_KEYS = ("amp_stop", "amp_default")
+
+
+class AmpPolicy:
+    """A validated, immutable view of an ``amp_policy`` mapping.
+
+    Keys are primitive objects, primitive names or ``jax.named_scope`` names
+    (plus the special keys ``"amp_stop"`` and ``"amp_default"``); values are
+    rules. Lookup order (jaxamp 0.0.4): the outermost scope component found in
+    the policy, then the primitive object, then the primitive name, then
+    ``"amp_default"``.
+    """
+
+    __slots__ = ("_by_prim", "_by_name", "_default", "_source")
+
+    def __init__(self, amp_policy: Mapping[Any, Rule]):
+        if isinstance(amp_policy, AmpPolicy):
+            amp_policy = amp_policy._source
+        if not isinstance(amp_policy, Mapping):
+            raise TypeError(
+                "amp_policy must be a mapping from primitive / primitive name / "
+                f"named_scope name to rule, got {type(amp_policy).__name__}."
+            )
+        by_prim: dict[Any, Rule] = {}
+        by_name: dict[str, Rule] = {}
+        for key, rule in amp_policy.items():
+            if not callable(rule):
+                raise TypeError(
+                    f"amp_policy[{key!r}] must be a rule (a callable with signature "
+                    "rule(compute_dtype, original_dtypes, *invars, **params)), got "
+                    f"{type(rule).__name__}."
+                )
+            if isinstance(key, _compat.Primitive):
+                by_prim[key] = rule
+            elif isinstance(key, str):
+                by_name[key] = rule
+            else:
+                raise TypeError(
+                    f"amp_policy key {key!r} of type {type(key).__name__} is neither "
+                    "a primitive (e.g. jax.lax.dot_general_p), a primitive name "
+                    "(e.g. 'dot_general') nor a jax.named_scope name (a str)."
+                )
+        by_name.setdefault("amp_stop", default_amp_policy["amp_stop"])
+        self._default = by_name.pop("amp_default", default_amp_policy["amp_default"])
+        self._by_prim = by_prim
+        self._by_name = by_name
+        self._source = dict(amp_policy)
+
+    def lookup(self, primitive: Any, scopes: Sequence[str]) -> Rule:
+        """The rule for ``primitive`` under the scope components ``scopes``."""
+        for scope in scopes:
+            rule = self._by_name.get(scope)
+            if rule is not None:
+                return rule
+        rule = self._by_prim.get(primitive)
+        if rule is not None:
+            return rule
+        return self._by_name.get(primitive.name, self._default)
+
+    def scope_rule(self, scopes: Sequence[str]) -> Rule | None:
+        """The rule of the outermost scope in ``scopes`` that the policy names."""
+        for scope in scopes:
+            rule = self._by_name.get(scope)
+            if rule is not None:
+                return rule
+        return None
+
+
+@dataclass(frozen=True, eq=False)
+class AmpContext:
+    """What one jaxpr walk needs: the compute dtype, the policy, and the
+    ``named_scope`` components of the enclosing equations (sub-jaxprs are
+    traced with a fresh name stack, so the interpreter carries the prefix)."""
+
+    compute_dtype: np.dtype
+    policy: AmpPolicy
+    scopes: tuple[str, ...] = ()
+
+    def inside(self, scopes: tuple[str, ...]) -> AmpContext:
+        """The context for a sub-jaxpr of an equation with scope ``scopes``."""
+        if scopes == self.scopes:
+            return self
+        return AmpContext(self.compute_dtype, self.policy, scopes)
+
+    @property
+    def key(self) -> tuple:
+        """Cache key of a sub-jaxpr rewrite under this context."""
+        return (self.policy, self.compute_dtype, self.scopes)
+
+
+def restore(x: Any, aval: Any) -> Any:
+    """Cast ``x`` to exactly ``aval``'s dtype (and weak type) if it differs."""
+    dtype = getattr(aval, "dtype", None)
+    if dtype is None or getattr(x, "dtype", dtype) == dtype:
+        return x
+    if getattr(aval, "weak_type", False) and isinstance(x, jax.Array):
+        return _compat.convert(x, dtype, weak_type=True)
+    return cast(x, dtype)
+
+
+def _read(env: dict, v: Any) -> Any:
+    return v.val if isinstance(v, _compat.Literal) else env[v]
+
+
+def eval_jaxpr(
+    jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: AmpContext
+) -> list[Any]:
+    """Evaluate ``jaxpr`` with every equation re-bound under the amp policy.
+
+    Args:
+        jaxpr: an open jaxpr (``constvars``, ``invars``, ``eqns``, ``outvars``).
+        consts: values for ``jaxpr.constvars``.
+        args: values for ``jaxpr.invars`` (in their traced dtypes).
+        ctx: compute dtype, policy and enclosing scopes.
+
+    Returns:
+        The output values, in whatever dtype the policy left them; callers cast
+        back (:func:`restore`) where the surrounding code needs the traced avals.
+
+    Raises:
+        TypeError: if a rule returns the wrong number of inputs (names the
+            primitive and the rule).
+    """
+    from ._higher_order import rewrite_equation  # cycle: structure uses mechanism
+
+    env: dict[Any, Any] = {}
+    env.update(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    with cast_cache():
+        for eqn in jaxpr.eqns:
+            invals = [_read(env, v) for v in eqn.invars]
+            scopes = ctx.scopes + _compat.scope_names(eqn)
+            with _compat.eqn_context(eqn):
+                outs = rewrite_equation(eqn, invals, ctx.inside(scopes))
+                if outs is None:
+                    outs = _apply_rule(eqn, invals, ctx, scopes)
+            if eqn.primitive.multiple_results:
+                env.update(zip(eqn.outvars, outs))
+            else:
+                env[eqn.outvars[0]] = outs
+        return [_read(env, v) for v in jaxpr.outvars]
+
+
+def _apply_rule(eqn, invals, ctx: AmpContext, scopes) -> Any:
+    prim = eqn.primitive
+    rule = ctx.policy.lookup(prim, scopes)
+    params = _compat.bind_params(prim, eqn.params)
+    original = [v.aval.dtype for v in eqn.invars]
+    result = rule(ctx.compute_dtype, original, *invals, **params)
+    new_in, new_params = _check_rule_result(result, prim, rule, len(invals))
+    return _compat.bind(prim, new_in, new_params)
+
+
+def _check_rule_result(result, prim, rule: Callable, n: int):
+    name = getattr(rule, "__name__", repr(rule))
+    if not (isinstance(result, (tuple, list)) and len(result) == 2):
+        raise TypeError(
+            f"amp rule {name} for primitive '{prim.name}' must return "
+            f"(invars, bind_params), got {type(result).__name__}."
+        )
+    new_in, new_params = result
+    if len(new_in) != n or not isinstance(new_params, Mapping):
+        raise TypeError(
+            f"amp rule {name} for primitive '{prim.name}' returned {len(new_in)} "
+            f"inputs and {type(new_params).__name__} params; expected {n} inputs "
+            "(one per input of the equation) and a dict of bind params."
+        )
+    return list(new_in), dict(new_params)

@@ -1,0 +1,275 @@
+"""Cast rules and THE default policy table (primitive -> rule).
+
+A rule has jaxamp 0.0.4's signature::
+
+    rule(compute_dtype, original_dtypes, *invars, **bind_params)
+        -> (invars, bind_params)
+
+``compute_dtype`` is the amp compute dtype (a numpy dtype), ``original_dtypes``
+the dtypes the traced (un-transformed) jaxpr declared for each input,
+``invars`` the current input values (jax arrays or tracers; literals of the
+jaxpr arrive as numpy scalars) and ``bind_params`` the primitive's parameters.
+A rule returns the (possibly cast) inputs, one per input, and the parameters to
+bind with. Integer, boolean, complex, PRNG-key and float0 values must never be
+cast: the helpers here only touch real floating values.
+
+The default table follows PyTorch's autocast op lists
+(https://pytorch.org/docs/stable/amp.html#autocast-op-reference) mapped onto
+JAX primitives, see DESIGN.md, in three families:
+
+* lower: matmul and convolution run in the compute dtype;
+* float32: range- or accuracy-critical ops (exp, log, sums, ...);
+* follow: everything else runs in the compute dtype if one of its traced float
+  inputs already is in it, otherwise in the dtypes the original jaxpr had.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._dtypes import canonical_dtype, dtype_of, is_float, widest
+
+Rule = Callable[..., tuple[list, dict]]
+
+# Per-jaxpr-walk cast cache: (id(value), dtype) -> (value, cast value). Set by the
+# interpreter so that one parameter used by N matmuls is converted once.
+_CAST_CACHE: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
+    "jaxamp_cast_cache", default=None
+)
+
+
+@contextlib.contextmanager
+def cast_cache():
+    """Open a fresh cast cache for one jaxpr walk (used by the interpreter)."""
+    token = _CAST_CACHE.set({})
+    try:
+        yield
+    finally:
+        _CAST_CACHE.reset(token)
+
+
+def is_literal(x: Any) -> bool:
+    """True for jaxpr literals and other constants (numpy / Python scalars)."""
+    return not isinstance(x, jax.Array)
+
+
+def is_weak(x: Any) -> bool:
+    """True for weakly typed values (Python scalars and what they produce)."""
+    if is_literal(x):
+        return isinstance(x, (int, float))
+    return bool(getattr(jax.typeof(x), "weak_type", False))
+
+
+def cast(x: Any, dtype: Any) -> Any:
+    """Cast a real floating value to ``dtype``; anything else is returned as is.
+
+    Casts are deduplicated inside one jaxpr walk. Literals are cast in numpy so
+    they stay literals.
+    """
+    src = dtype_of(x)
+    if not is_float(src):
+        return x
+    dtype = np.dtype(dtype)
+    if src == dtype:
+        return x
+    if is_literal(x):
+        return np.asarray(x, dtype=dtype)
+    cache = _CAST_CACHE.get()
+    if cache is None:
+        return jax.lax.convert_element_type(x, dtype)
+    key = (id(x), dtype)
+    hit = cache.get(key)
+    if hit is not None and hit[0] is x:
+        return hit[1]
+    out = jax.lax.convert_element_type(x, dtype)
+    cache[key] = (x, out)
+    return out
+
+
+def _set_result_dtype(params: dict, dtype: Any, invars: Iterable[Any]) -> dict:
+    if "preferred_element_type" in params and any(
+        is_float(dtype_of(x)) for x in invars
+    ):
+        params = dict(params)
+        params["preferred_element_type"] = np.dtype(dtype)
+    return params
+
+
+def use_precision(dtype: Any) -> Rule:
+    """A rule that casts every float input to ``dtype``.
+
+    Args:
+        dtype: a floating dtype or name (``jnp.float32``, ``"bf16"``).
+
+    Returns:
+        A rule (jaxamp signature) that also sets ``preferred_element_type`` to
+        ``dtype`` on primitives that have it (``dot_general``, convolutions).
+
+    Raises:
+        ValueError: if ``dtype`` is not a floating dtype.
+    """
+    dtype = canonical_dtype(dtype)
+
+    def rule(compute_dtype, original_dtypes, *invars, **params):
+        del compute_dtype, original_dtypes
+        out = [cast(x, dtype) for x in invars]
+        return out, _set_result_dtype(params, dtype, invars)
+
+    rule.__name__ = f"use_precision({dtype.name})"
+    return rule
+
+
+def use_compute_precision(compute_dtype, original_dtypes, *invars, **params):
+    """Rule: cast float inputs to the compute dtype; ``preferred_element_type``
+    (matmul/conv output and accumulation type request) to the compute dtype.
+
+    This is PyTorch autocast's ``lower_precision_fp`` policy.
+    """
+    del original_dtypes
+    out = [cast(x, compute_dtype) for x in invars]
+    return out, _set_result_dtype(params, compute_dtype, invars)
+
+
+def use_original_precision(compute_dtype, original_dtypes, *invars, **params):
+    """Rule: cast every float input back to the dtype the original jaxpr had."""
+    del compute_dtype
+    return [cast(x, d) for x, d in zip(invars, original_dtypes)], params
+
+
+def use_widest_precision(compute_dtype, original_dtypes, *invars, **params):
+    """Rule: cast float inputs to the widest float dtype among them (PyTorch
+    autocast's ``promote`` policy)."""
+    del compute_dtype, original_dtypes
+    target = widest(dtype_of(x) for x in invars)
+    if target is None:
+        return list(invars), params
+    return [cast(x, target) for x in invars], params
+
+
+def use_full_precision(compute_dtype, original_dtypes, *invars, **params):
+    """Rule: run in float32 (or the input's dtype if wider, e.g. float64).
+
+    PyTorch autocast's ``fp32`` policy: exp, log, pow, sums, ...
+    """
+    del compute_dtype, original_dtypes
+    target = widest([jnp.float32, *(dtype_of(x) for x in invars)])
+    return [cast(x, target) for x in invars], params
+
+
+def follow_compute_precision(compute_dtype, original_dtypes, *invars, **params):
+    """Rule "follow": if any traced (non-literal, non-weak) float input is already
+    in the compute dtype, cast all float inputs (literals too) to it; otherwise
+    cast each float input back to its original dtype.
+
+    This keeps activations in the compute dtype between matmuls instead of
+    casting back to float32 after every op, and satisfies lax's requirement that
+    n-ary primitives see one dtype.
+    """
+    compute_dtype = np.dtype(compute_dtype)
+    low = any(
+        not is_literal(x) and not is_weak(x) and dtype_of(x) == compute_dtype
+        for x in invars
+    )
+    if low:
+        return [cast(x, compute_dtype) for x in invars], params
+    return [cast(x, d) for x, d in zip(invars, original_dtypes)], params
+
+
+def keep_current_precision(compute_dtype, original_dtypes, *invars, **params):
+    """Rule: leave every input as it is (for primitives whose inputs are
+    independent, e.g. ``device_put``, ``optimization_barrier``, user casts)."""
+    del compute_dtype, original_dtypes
+    return list(invars), params
+
+
+def _integer_pow(compute_dtype, original_dtypes, *invars, **params):
+    # float16 overflows at 65504: x**3 of a 50-valued activation already does.
+    # bfloat16 has float32's range, so it follows (saves GELU's float32 residual).
+    if np.dtype(compute_dtype) == np.dtype(jnp.float16):
+        return use_full_precision(compute_dtype, original_dtypes, *invars, **params)
+    return follow_compute_precision(compute_dtype, original_dtypes, *invars, **params)
+
+
+# --------------------------------------------------------------------------------
+# THE default table, filled by small family helpers (jax's jet.py style).
+
+default_amp_policy: dict[Any, Rule] = {}
+
+
+def _family(rule: Rule, *names: str) -> None:
+    for name in names:
+        default_amp_policy[name] = rule
+
+
+_family(
+    use_compute_precision,
+    "dot_general",
+    "conv_general_dilated",
+    "ragged_dot_general",
+)
+_family(
+    use_full_precision,
+    "exp",
+    "exp2",
+    "expm1",
+    "log",
+    "log1p",
+    "pow",
+    "sqrt",
+    "rsqrt",
+    "reduce_sum",
+    "reduce_prod",
+    "cumsum",
+    "cumprod",
+    "cumlogsumexp",
+    "erf_inv",
+    "lgamma",
+    "digamma",
+    "igamma",
+    "igammac",
+    "igamma_grad_a",
+    "polygamma",
+    "zeta",
+    "bessel_i0e",
+    "bessel_i1e",
+    "random_gamma_grad",
+    "tan",
+    "acos",
+    "asin",
+    "sinh",
+    "cosh",
+)
+_family(_integer_pow, "integer_pow")
+_family(
+    keep_current_precision,
+    "convert_element_type",  # a user cast is respected as written
+    "reduce_precision",
+    "device_put",
+    "optimization_barrier",
+    "psum",
+    "psum_invariant",
+    "pmax",
+    "pmin",
+    "pvary",
+    "all_gather",
+    "all_to_all",
+    "ppermute",
+    "sort",
+)
+_family(
+    use_original_precision,
+    "amp_stop",  # scope key: restores the traced dtypes
+    "bitcast_convert_type",  # reinterprets bits: the width must not change
+    "pure_callback",  # host callbacks see the dtypes they were traced with
+    "io_callback",
+    "debug_callback",
+    "debug_print",
+)
+default_amp_policy["amp_default"] = follow_compute_precision
