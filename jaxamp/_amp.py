@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from . import _compat
 from ._dtypes import canonical_dtype
 from ._interpreter import AmpContext, AmpPolicy, eval_jaxpr, restore
-from ._rules import Rule, default_amp_policy
+from ._rules import Rule, cast_cache, default_amp_policy
 
 
 def amp(
@@ -93,8 +93,9 @@ def amp(
             flat_fn, [jax.typeof(x) for x in leaves], getattr(fn, "__name__", "amp")
         )
         core, consts = _compat.jaxpr_parts(closed)
-        outs = eval_jaxpr(core, consts, leaves, ctx)
-        outs = [restore(x, v.aval) for x, v in zip(outs, core.outvars)]
+        with cast_cache():
+            outs = eval_jaxpr(core, consts, leaves, ctx)
+            outs = [restore(x, v.aval) for x, v in zip(outs, core.outvars)]
         out_def, out_static = out_tree[0]
         return eqx.combine(jax.tree_util.tree_unflatten(out_def, outs), out_static)
 

@@ -23,6 +23,7 @@ import jax
 
 from . import _compat
 from ._interpreter import AmpContext, eval_jaxpr, restore
+from ._rules import cast_cache
 
 HigherOrderRule = Callable[[Any, list, AmpContext], Any]
 
@@ -81,8 +82,11 @@ def _retrace(jaxpr: Any, ctx: AmpContext) -> Any:
     out_avals = [v.aval for v in core.outvars]
 
     def amp_body(*args):
-        outs = eval_jaxpr(core, consts, args, ctx)
-        return [restore(x, a) for x, a in zip(outs, out_avals)]
+        # A fresh cast cache per trace: a cast made in this trace must never be
+        # served to another one (it would leak a tracer).
+        with cast_cache():
+            outs = eval_jaxpr(core, consts, args, ctx)
+            return [restore(x, a) for x, a in zip(outs, out_avals)]
 
     return _compat.trace_to_closed_jaxpr(amp_body, [v.aval for v in core.invars])
 
@@ -183,25 +187,28 @@ def _custom_vjp_call(eqn: Any, invals: list, ctx: AmpContext) -> Any:
     return _compat.bind(eqn.primitive, _restore_inputs(eqn, invals), bparams)
 
 
-def _amp_call(fn: Callable, args: tuple, ctx: AmpContext) -> list:
-    """Call ``fn(*args) -> flat list`` with its computation rewritten.
+def _amp_call(fn: Callable, args: tuple, ctx: AmpContext) -> Any:
+    """Call ``fn(*args)`` with its computation rewritten under ``ctx``.
 
-    Outputs that are not arrays (symbolic zeros of a bwd rule) pass through.
+    The result may be any pytree (a bwd rule returns a list of cotangents, and
+    since JAX 0.11 a ``(cotangents, logs)`` pair); leaves that are not arrays
+    (symbolic zeros) pass through unchanged.
     """
-    others: dict[int, Any] = {}
+    meta: dict[str, Any] = {}
 
     def arrays_only(*xs):
-        outs = list(fn(*xs))
-        for i, o in enumerate(outs):
-            if not isinstance(o, jax.Array):
-                others[i] = o
-        return [o for i, o in enumerate(outs) if i not in others]
+        leaves, meta["tree"] = jax.tree_util.tree_flatten(fn(*xs))
+        meta["others"] = {
+            i: x for i, x in enumerate(leaves) if not isinstance(x, jax.Array)
+        }
+        meta["n"] = len(leaves)
+        return [x for x in leaves if isinstance(x, jax.Array)]
 
     closed = _compat.trace_to_closed_jaxpr(arrays_only, [jax.typeof(a) for a in args])
     core, consts = _compat.jaxpr_parts(closed)
-    outs = iter(
-        restore(x, v.aval)
-        for x, v in zip(eval_jaxpr(core, consts, args, ctx), core.outvars)
-    )
-    n = len(core.outvars) + len(others)
-    return [others[i] if i in others else next(outs) for i in range(n)]
+    with cast_cache():
+        outs = eval_jaxpr(core, consts, args, ctx)
+        outs = iter([restore(x, v.aval) for x, v in zip(outs, core.outvars)])
+    others = meta["others"]
+    leaves = [others[i] if i in others else next(outs) for i in range(meta["n"])]
+    return jax.tree_util.tree_unflatten(meta["tree"], leaves)
