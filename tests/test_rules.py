@@ -1,0 +1,131 @@
+"""Tests of the rule functions and the default policy table (jaxamp/_rules.py)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxamp
+from jaxamp import _rules
+
+BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32)
+
+
+def _dtypes(xs):
+    return [np.asarray(x).dtype if not isinstance(x, jax.Array) else x.dtype for x in xs]
+
+
+def test_use_compute_precision_casts_floats_and_sets_preferred_type():
+    x, i = jnp.ones((2, 2), jnp.float32), jnp.ones((2, 2), jnp.int32)
+    out, params = jaxamp.use_compute_precision(
+        BF16, [F32, np.dtype(jnp.int32)], x, i, preferred_element_type=F32, other=1
+    )
+    assert _dtypes(out) == [BF16, np.dtype(jnp.int32)]
+    assert params == {"preferred_element_type": BF16, "other": 1}
+
+
+def test_use_compute_precision_leaves_integer_matmul_alone():
+    i = jnp.ones((2, 2), jnp.int32)
+    out, params = jaxamp.use_compute_precision(
+        BF16, [i.dtype, i.dtype], i, i, preferred_element_type=np.dtype(jnp.int32)
+    )
+    assert _dtypes(out) == [np.dtype(jnp.int32)] * 2
+    assert params["preferred_element_type"] == np.dtype(jnp.int32)
+
+
+def test_follow_goes_low_when_a_traced_input_is_low():
+    low, full = jnp.ones(3, jnp.bfloat16), jnp.ones(3, jnp.float32)
+    out, _ = jaxamp.follow_compute_precision(BF16, [F32, F32], low, full)
+    assert _dtypes(out) == [BF16, BF16]
+
+
+def test_follow_restores_original_dtypes_otherwise():
+    a, b = jnp.ones(3, jnp.float32), jnp.ones(3, jnp.float16)
+    # Neither input is in the compute dtype: each goes back to its traced dtype.
+    out, _ = jaxamp.follow_compute_precision(BF16, [F32, F32], a, b)
+    assert _dtypes(out) == [F32, F32]
+
+
+def test_follow_ignores_literals_and_weak_values_when_deciding():
+    # A bfloat16 literal alone must not pull a float32 operand down.
+    lit = np.asarray(2.0, dtype=BF16)
+    full = jnp.ones(3, jnp.float32)
+    out, _ = jaxamp.follow_compute_precision(BF16, [F32, F32], full, lit)
+    assert _dtypes(out) == [F32, F32]
+    # ...but a literal follows a traced low operand.
+    low = jnp.ones(3, jnp.bfloat16)
+    out, _ = jaxamp.follow_compute_precision(BF16, [F32, F32], low, np.float32(2.0))
+    assert _dtypes(out) == [BF16, BF16]
+    assert not isinstance(out[1], jax.Array)  # stays a literal (numpy) value
+
+
+def test_use_full_precision_is_float32_but_never_narrows():
+    out, _ = jaxamp.use_full_precision(BF16, [F32], jnp.ones(2, jnp.bfloat16))
+    assert _dtypes(out) == [F32]
+    f64 = np.ones(2, np.float64)
+    out, _ = jaxamp.use_full_precision(BF16, [np.dtype(np.float64)], f64)
+    assert _dtypes(out) == [np.dtype(np.float64)]
+
+
+def test_use_widest_and_use_precision():
+    a, b = jnp.ones(2, jnp.bfloat16), jnp.ones(2, jnp.float32)
+    out, _ = jaxamp.use_widest_precision(BF16, [F32, F32], a, b)
+    assert _dtypes(out) == [F32, F32]
+    rule = jaxamp.use_precision("f16")
+    out, params = rule(BF16, [F32, F32], a, b, preferred_element_type=F32)
+    assert _dtypes(out) == [F16, F16]
+    assert params["preferred_element_type"] == F16
+
+
+def test_use_precision_rejects_non_float():
+    with pytest.raises(ValueError, match="floating"):
+        jaxamp.use_precision(jnp.int32)
+
+
+def test_use_original_precision():
+    a = jnp.ones(2, jnp.bfloat16)
+    out, _ = jaxamp.use_original_precision(BF16, [F32], a)
+    assert _dtypes(out) == [F32]
+
+
+@pytest.mark.parametrize("compute, expected", [(F16, F32), (BF16, BF16)])
+def test_integer_pow_is_float32_only_for_float16(compute, expected):
+    rule = jaxamp.default_amp_policy["integer_pow"]
+    x = jnp.ones(2, compute)
+    out, _ = rule(compute, [F32], x, y=3)
+    assert _dtypes(out) == [expected]
+
+
+def test_never_cast_non_float_values():
+    key = jax.random.key(0)
+    c = jnp.ones(2, jnp.complex64)
+    b = jnp.ones(2, bool)
+    for rule in (
+        jaxamp.use_compute_precision,
+        jaxamp.use_full_precision,
+        jaxamp.follow_compute_precision,
+        jaxamp.use_original_precision,
+    ):
+        out, _ = rule(BF16, [key.dtype, c.dtype, b.dtype], key, c, b)
+        assert out[0] is key and out[1] is c and out[2] is b
+
+
+def test_default_table_families():
+    p = jaxamp.default_amp_policy
+    for name in ("dot_general", "conv_general_dilated"):
+        assert p[name] is jaxamp.use_compute_precision
+    for name in ("exp", "log", "log1p", "pow", "rsqrt", "reduce_sum", "cumsum"):
+        assert p[name] is jaxamp.use_full_precision
+    assert p["amp_default"] is jaxamp.follow_compute_precision
+    assert p["amp_stop"] is jaxamp.use_original_precision
+    assert p["convert_element_type"] is jaxamp.keep_current_precision
+    assert "add" not in p and "tanh" not in p  # they follow
+
+
+def test_casts_are_deduplicated_within_a_walk():
+    x = jnp.ones(3, jnp.float32)
+    with _rules.cast_cache():
+        a = _rules.cast(x, BF16)
+        b = _rules.cast(x, BF16)
+    assert a is b
+    assert _rules.cast(x, BF16) is not _rules.cast(x, BF16)  # no cache outside
