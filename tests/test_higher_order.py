@@ -1,0 +1,237 @@
+"""Tests of the higher-order registry (jaxamp/_higher_order.py): every sub-jaxpr
+is rewritten, signatures stay identical, and custom derivative rules still run."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.extend.core import Primitive, jaxpr_as_fun, jaxprs_in_params
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import jaxamp
+from jaxamp import _higher_order
+
+BF16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
+
+
+def eqns(closed):
+    """All equations of a jaxpr and its sub-jaxprs, depth first."""
+    core = getattr(closed, "jaxpr", closed)
+    for e in core.eqns:
+        yield e
+        for sub in jaxprs_in_params(e.params):
+            yield from eqns(sub)
+
+
+def dot_dtypes(closed):
+    return [
+        tuple(v.aval.dtype for v in e.invars)
+        for e in eqns(closed)
+        if e.primitive.name == "dot_general"
+    ]
+
+
+def top_level(closed):
+    return [e.primitive.name for e in getattr(closed, "jaxpr", closed).eqns]
+
+
+W = jnp.asarray(np.linspace(-1, 1, 16).reshape(4, 4), jnp.float32)
+X = jnp.asarray(np.linspace(-2, 2, 8).reshape(2, 4), jnp.float32)
+
+CASES = {
+    "jit": lambda w, x: jax.jit(lambda a, b: jnp.tanh(a @ b))(x, w).sum(),
+    "remat": lambda w, x: jax.checkpoint(lambda a, b: jnp.tanh(a @ b))(x, w).sum(),
+    "scan": lambda w, x: lax.scan(lambda c, _: (jnp.tanh(c @ w), None), x, None, 3)[
+        0
+    ].sum(),
+    "cond": lambda w, x: lax.cond(
+        x.sum() > 0, lambda a: a @ w, lambda a: (a @ w) * 2.0, x
+    ).sum(),
+    "switch": lambda w, x: lax.switch(
+        1, [lambda a: a @ w, lambda a: jnp.tanh(a @ w), lambda a: a], x
+    ).sum(),
+    "while": lambda w, x: lax.while_loop(
+        lambda c: c[0] < 3, lambda c: (c[0] + 1, jnp.tanh(c[1] @ w)), (0, x)
+    )[1].sum(),
+    "nested": lambda w, x: jax.jit(
+        lambda a: lax.scan(
+            lambda c, _: (jax.checkpoint(lambda z: jnp.tanh(z @ w))(c), None),
+            a,
+            None,
+            2,
+        )[0]
+    )(x).sum(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_sub_jaxprs_are_rewritten(name):
+    f = CASES[name]
+    amp_f = jaxamp.amp(f, compute_dtype=jnp.bfloat16)
+    closed = jax.make_jaxpr(amp_f)(W, X)
+    dots = dot_dtypes(closed)
+    assert dots and all(d == (BF16, BF16) for d in dots)
+    # The higher-order primitive is re-bound, not inlined.
+    ref_top = [n for n in top_level(jax.make_jaxpr(f)(W, X)) if n != "reduce_sum"]
+    hop = {"jit", "remat2", "scan", "cond", "while"} & set(ref_top)
+    assert hop <= set(top_level(closed))
+    # Same output, to bfloat16 accuracy.
+    np.testing.assert_allclose(amp_f(W, X), f(W, X), rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("name", ["jit", "remat", "scan", "nested"])
+def test_gradients_of_rewritten_sub_jaxprs(name):
+    f = CASES[name]
+    amp_f = jaxamp.amp(f, compute_dtype=jnp.bfloat16)
+    closed = jax.make_jaxpr(jax.grad(amp_f))(W, X)
+    assert all(d == (BF16, BF16) for d in dot_dtypes(closed))
+    g, g_ref = jax.grad(amp_f)(W, X), jax.grad(f)(W, X)
+    assert g.dtype == F32
+    assert float(jnp.linalg.norm(g - g_ref) / jnp.linalg.norm(g_ref)) < 5e-2
+
+
+def test_remat_policy_is_kept():
+    policy = jax.checkpoint_policies.dots_saveable
+    f = lambda w, x: jax.checkpoint(lambda a: jnp.tanh(a @ w), policy=policy)(x).sum()
+    closed = jax.make_jaxpr(jaxamp.amp(f, compute_dtype=jnp.bfloat16))(W, X)
+    (remat,) = [e for e in eqns(closed) if e.primitive.name == "remat2"]
+    assert remat.params["policy"] is policy
+
+
+def test_scan_carry_keeps_its_traced_dtype():
+    f = CASES["scan"]
+    closed = jax.make_jaxpr(jaxamp.amp(f, compute_dtype=jnp.bfloat16))(W, X)
+    (scan,) = [e for e in eqns(closed) if e.primitive.name == "scan"]
+    assert [v.aval.dtype for v in scan.outvars] == [F32]
+
+
+def test_custom_jvp_rule_still_runs():
+    @jax.custom_jvp
+    def f(x):
+        return jnp.sin(x)
+
+    # A deliberately "wrong" derivative: if amp inlined the primal, grad would
+    # be cos(x) instead of 3.
+    f.defjvp(lambda p, t: (jnp.sin(p[0]), 3.0 * t[0]))
+    loss = lambda w, x: f(x @ w).sum()
+    g = jax.grad(jaxamp.amp(loss, compute_dtype=jnp.bfloat16), argnums=1)(W, X)
+    np.testing.assert_allclose(g, jnp.broadcast_to(3.0 * W.sum(1), X.shape), rtol=2e-2)
+    closed = jax.make_jaxpr(jaxamp.amp(loss, compute_dtype=jnp.bfloat16))(W, X)
+    assert "custom_jvp_call" in top_level(closed)
+
+
+def test_custom_vjp_fwd_and_bwd_still_run_in_low_precision():
+    @jax.custom_vjp
+    def lin(x, w):
+        return x @ w
+
+    def fwd(x, w):
+        return x @ w, (x, w)
+
+    def bwd(res, g):
+        x, w = res
+        return 2.0 * (g @ w.T), x.T @ g  # x-gradient doubled on purpose
+
+    lin.defvjp(fwd, bwd)
+    loss = lambda w, x: lin(x, w).sum()
+    amp_loss = jaxamp.amp(loss, compute_dtype=jnp.bfloat16)
+    gx = jax.grad(amp_loss, argnums=1)(W, X)
+    np.testing.assert_allclose(
+        gx, 2.0 * jnp.broadcast_to(W.sum(1), X.shape), rtol=2e-2, atol=1e-2
+    )
+    closed = jax.make_jaxpr(jax.grad(amp_loss, argnums=(0, 1)))(W, X)
+    dots = dot_dtypes(closed)
+    assert len(dots) == 3 and all(d == (BF16, BF16) for d in dots)
+
+
+def test_shard_map_body_is_rewritten():
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
+    w = jnp.ones((4, 4), jnp.float32)
+
+    def f(x):
+        body = lambda a: lax.psum(jnp.tanh(a @ w), "x")
+        return jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P())(x)
+
+    x = jnp.asarray(np.linspace(-1, 1, 32).reshape(8, 4), jnp.float32)
+    amp_f = jaxamp.amp(f, compute_dtype=jnp.bfloat16)
+    closed = jax.make_jaxpr(amp_f)(x)
+    assert "shard_map" in top_level(closed)
+    assert dot_dtypes(closed) == [(BF16, BF16)]
+    out = jax.jit(amp_f)(x)
+    assert out.dtype == F32
+    np.testing.assert_allclose(out, f(x), rtol=2e-2, atol=2e-2)
+
+
+def _unknown_hop():
+    """A higher-order primitive jaxamp has never heard of (like pallas_call)."""
+    prim = Primitive("my_unknown_hop")
+    prim.multiple_results = True
+    prim.def_impl(lambda *xs, jaxpr: jaxpr_as_fun(jaxpr)(*xs))
+    prim.def_abstract_eval(lambda *avals, jaxpr: [v.aval for v in jaxpr.jaxpr.outvars])
+    return prim
+
+
+def test_unknown_higher_order_primitive_runs_unchanged():
+    prim = _unknown_hop()
+    inner = jax.make_jaxpr(lambda a, b: a @ b)(X, W)
+
+    def f(w, x):
+        (y,) = prim.bind(jnp.tanh(x), w, jaxpr=inner)
+        return y.sum()
+
+    amp_f = jaxamp.amp(lambda w, x: f(w, x @ w), compute_dtype=jnp.bfloat16)
+    closed = jax.make_jaxpr(amp_f)(W, X)
+    (hop,) = [e for e in eqns(closed) if e.primitive is prim]
+    # Inputs restored to the traced dtypes; the body untouched (float32 dot).
+    assert [v.aval.dtype for v in hop.invars] == [F32, F32]
+    assert hop.params["jaxpr"] is inner
+    np.testing.assert_allclose(amp_f(W, X), f(W, X @ W), rtol=2e-2, atol=1e-2)
+
+
+def test_jitted_layer_is_rewritten_once(monkeypatch):
+    calls = []
+    retrace = _higher_order._retrace
+    monkeypatch.setattr(
+        _higher_order, "_retrace", lambda j, c: calls.append(j) or retrace(j, c)
+    )
+    layer = jax.jit(lambda a, b: jnp.tanh(a @ b))
+
+    def f(w, x):
+        for _ in range(5):
+            x = layer(x, w)
+        return x.sum()
+
+    jax.make_jaxpr(jaxamp.amp(f, compute_dtype=jnp.bfloat16))(W, X)
+    assert len(calls) == 1
+
+
+def test_register_higher_order_adds_a_rule():
+    prim = _unknown_hop()
+    jaxamp.register_higher_order(prim.name)(_higher_order.rewrite_subjaxprs)
+    try:
+        inner = jax.make_jaxpr(lambda a, b: a @ b)(X, W)
+        f = lambda w, x: prim.bind(x, w, jaxpr=inner)[0].sum()
+        closed = jax.make_jaxpr(jaxamp.amp(f, compute_dtype=jnp.bfloat16))(W, X)
+        assert dot_dtypes(closed) == [(BF16, BF16)]
+    finally:
+        del _higher_order.higher_order_rules[prim.name]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=())
+def _identity_with_zero_cotangent(x, y):
+    return x + y
+
+
+_identity_with_zero_cotangent.defvjp(lambda x, y: (x + y, None), lambda _, g: (g, None))
+
+
+def test_custom_vjp_bwd_returning_none_cotangents():
+    f = lambda x, y: (_identity_with_zero_cotangent(x, y) * x).sum()
+    amp_f = jaxamp.amp(f, compute_dtype=jnp.bfloat16)
+    gx, gy = jax.grad(amp_f, argnums=(0, 1))(X, X)
+    assert gy.dtype == F32 and float(jnp.abs(gy).max()) == 0.0
+    np.testing.assert_allclose(gx, jax.grad(f)(X, X), rtol=2e-2, atol=2e-2)
