@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from . import _compat
 from ._dtypes import canonical_dtype
-from ._interpreter import AmpContext, AmpPolicy, eval_jaxpr, restore
+from ._interpreter import AMP_REGION, AmpContext, AmpPolicy, eval_jaxpr, restore
 from ._rules import Rule, cast_cache, default_amp_policy
 
 
@@ -36,7 +36,8 @@ def amp(
     Usable as ``amp(fn)``, ``amp(fn, compute_dtype=...)``, ``@amp`` and
     ``amp(compute_dtype=...)(fn)`` (jaxamp 0.0.4's signature). Composes with
     ``jit``, ``grad``, ``vjp``, ``vmap`` (with ``axis_name`` collectives) and
-    with itself.
+    with itself: inside a nested ``amp`` the innermost one decides (its region
+    is ``amp_stop`` to the enclosing one).
 
     Args:
         fn: a function of any pytrees (Equinox modules, dicts, ...); array leaves
@@ -93,7 +94,7 @@ def amp(
             flat_fn, [jax.typeof(x) for x in leaves], getattr(fn, "__name__", "amp")
         )
         core, consts = _compat.jaxpr_parts(closed)
-        with cast_cache():
+        with cast_cache(), jax.named_scope(AMP_REGION):
             outs = eval_jaxpr(core, consts, leaves, ctx)
             outs = [restore(x, v.aval) for x, v in zip(outs, core.outvars)]
         out_def, out_static = out_tree[0]

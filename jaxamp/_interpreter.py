@@ -17,7 +17,9 @@ import numpy as np
 from . import _compat
 from ._rules import Rule, cast, cast_cache, default_amp_policy
 
-_SPECIAL_KEYS = ("amp_stop", "amp_default")
+# Scope that marks equations an amp has already rewritten: an enclosing amp
+# treats them as "amp_stop", so the innermost amp decides inside its region.
+AMP_REGION = "jaxamp.amp"
 
 
 class AmpPolicy:
@@ -25,12 +27,13 @@ class AmpPolicy:
 
     Keys are primitive objects, primitive names or ``jax.named_scope`` names
     (plus the special keys ``"amp_stop"`` and ``"amp_default"``); values are
-    rules. Lookup order (jaxamp 0.0.4): the outermost scope component found in
-    the policy, then the primitive object, then the primitive name, then
-    ``"amp_default"``.
+    rules. Lookup order: ``"amp_stop"`` (or an inner amp's region) anywhere on
+    the scope stack, then as in jaxamp 0.0.4 the outermost scope component
+    found in the policy, then the primitive object, then the primitive name,
+    then ``"amp_default"``.
     """
 
-    __slots__ = ("_by_prim", "_by_name", "_default", "_source")
+    __slots__ = ("_by_prim", "_by_name", "_default", "_source", "_stop")
 
     def __init__(self, amp_policy: Mapping[Any, Rule]):
         if isinstance(amp_policy, AmpPolicy):
@@ -60,6 +63,7 @@ class AmpPolicy:
                     "(e.g. 'dot_general') nor a jax.named_scope name (a str)."
                 )
         by_name.setdefault("amp_stop", default_amp_policy["amp_stop"])
+        self._stop = by_name["amp_stop"]
         self._default = by_name.pop("amp_default", default_amp_policy["amp_default"])
         self._by_prim = by_prim
         self._by_name = by_name
@@ -67,6 +71,8 @@ class AmpPolicy:
 
     def lookup(self, primitive: Any, scopes: Sequence[str]) -> Rule:
         """The rule for ``primitive`` under the scope components ``scopes``."""
+        if "amp_stop" in scopes or AMP_REGION in scopes:
+            return self._stop
         for scope in scopes:
             rule = self._by_name.get(scope)
             if rule is not None:
@@ -75,14 +81,6 @@ class AmpPolicy:
         if rule is not None:
             return rule
         return self._by_name.get(primitive.name, self._default)
-
-    def scope_rule(self, scopes: Sequence[str]) -> Rule | None:
-        """The rule of the outermost scope in ``scopes`` that the policy names."""
-        for scope in scopes:
-            rule = self._by_name.get(scope)
-            if rule is not None:
-                return rule
-        return None
 
 
 @dataclass(frozen=True, eq=False)

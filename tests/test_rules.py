@@ -12,7 +12,7 @@ BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.flo
 
 
 def _dtypes(xs):
-    return [np.asarray(x).dtype if not isinstance(x, jax.Array) else x.dtype for x in xs]
+    return [x.dtype if isinstance(x, jax.Array) else np.asarray(x).dtype for x in xs]
 
 
 def test_use_compute_precision_casts_floats_and_sets_preferred_type():

@@ -1,0 +1,225 @@
+"""Tests of the public amp() entry point (jaxamp/_amp.py)."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.extend.core import jaxprs_in_params
+
+import jaxamp
+
+BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32)
+
+X = jnp.linspace(-1, 1, 12, dtype=jnp.float32).reshape(3, 4)
+W = jnp.linspace(-1, 1, 20, dtype=jnp.float32).reshape(4, 5)
+
+
+def eqns(closed):
+    core = getattr(closed, "jaxpr", closed)
+    for e in core.eqns:
+        yield e
+        for sub in jaxprs_in_params(e.params):
+            yield from eqns(sub)
+
+
+def dots(closed):
+    return [
+        e.outvars[0].aval.dtype
+        for e in eqns(closed)
+        if e.primitive.name == "dot_general"
+    ]
+
+
+def mlp(w, x):
+    return jax.nn.softmax(jnp.tanh(x @ w)).sum()
+
+
+def test_call_forms_are_equivalent():
+    forms = [
+        jaxamp.amp(mlp, compute_dtype=jnp.bfloat16),
+        jaxamp.amp(compute_dtype=jnp.bfloat16)(mlp),
+        jaxamp.amp(mlp, compute_dtype="bf16"),
+    ]
+    decorated = jaxamp.amp(mlp)  # jaxamp 0.0.4 default: float16
+    ref = [dots(jax.make_jaxpr(f)(W, X)) for f in forms]
+    assert ref == [[BF16]] * 3
+    assert dots(jax.make_jaxpr(decorated)(W, X)) == [F16]
+
+    @jaxamp.amp
+    def g(w, x):
+        return x @ w
+
+    assert g(W, X).dtype == F32
+
+
+def test_outputs_come_back_in_the_traced_dtypes_and_structure():
+    def f(params, x, flag):
+        h = x @ params["w"]
+        return {"h": h, "half": h.astype(jnp.float16), "n": 3, "flag": flag}
+
+    out = jaxamp.amp(f, compute_dtype=jnp.bfloat16)({"w": W}, X, "static")
+    assert out["h"].dtype == F32 and out["half"].dtype == F16
+    assert out["n"] == 3 and out["flag"] == "static"
+
+
+def test_equinox_module_in_and_out():
+    lin = eqx.nn.Linear(4, 5, key=jax.random.key(0))
+
+    def f(m, x):
+        return eqx.tree_at(lambda m: m.bias, m, jax.vmap(m)(x).mean(0))
+
+    out = jaxamp.amp(f, compute_dtype=jnp.bfloat16)(lin, X)
+    assert isinstance(out, eqx.nn.Linear)
+    assert out.weight.dtype == F32 and out.bias.dtype == F32
+    np.testing.assert_allclose(out.bias, f(lin, X).bias, rtol=2e-2, atol=2e-2)
+
+
+def test_bad_inputs_raise_clear_errors():
+    with pytest.raises(TypeError, match="fn must be callable"):
+        jaxamp.amp(3)
+    with pytest.raises(ValueError, match="compute_dtype must be a floating"):
+        jaxamp.amp(mlp, compute_dtype=jnp.int32)
+    with pytest.raises(ValueError, match="compute_dtype="):
+        jaxamp.amp(mlp, compute_dtype="bf17")
+    with pytest.raises(TypeError, match="neither a primitive"):
+        jaxamp.amp(mlp, amp_policy={1.5: jaxamp.use_compute_precision})
+
+
+def test_amp_stop_context_manager_and_decorator():
+    @jaxamp.amp_stop
+    def stopped(x, w):
+        return x @ w
+
+    def f(w, x):
+        with jaxamp.amp_stop():
+            a = x @ w
+        b = stopped(x, w)
+        c = jax.jit(lambda: x @ w)()  # scope seen inside the jit body? no: outside
+        return a.sum() + b.sum() + c.sum()
+
+    def g(w, x):
+        with jaxamp.amp_stop():
+            return jax.jit(lambda: x @ w)().sum()  # ...and here, inside it
+
+    assert dots(jax.make_jaxpr(jaxamp.amp(f, compute_dtype=BF16))(W, X)) == [
+        F32,
+        F32,
+        BF16,
+    ]
+    assert dots(jax.make_jaxpr(jaxamp.amp(g, compute_dtype=BF16))(W, X)) == [F32]
+
+
+def test_named_scope_policy_inside_scan():
+    def f(ws, x):
+        def layer(h, w):
+            with jax.named_scope("attn"):
+                a = h @ w
+            with jax.named_scope("mlp"):
+                b = a @ w
+            return b, None
+
+        return jax.lax.scan(layer, x, ws)[0].sum()
+
+    policy = {**jaxamp.default_amp_policy, "attn": jaxamp.use_original_precision}
+    ws = jnp.stack([jnp.eye(4, dtype=jnp.float32)] * 2)
+    closed = jax.make_jaxpr(jaxamp.amp(f, compute_dtype=BF16, amp_policy=policy))(ws, X)
+    assert dots(closed) == [F32, BF16]
+
+
+def test_equinox_linear_keyed_policy():
+    lin = eqx.nn.Linear(4, 5, key=jax.random.key(0))
+    policy = {**jaxamp.default_amp_policy, "eqx.nn.Linear": jaxamp.use_full_precision}
+    f = lambda m, x, w: jax.vmap(m)(x).sum() + (x @ w).sum()
+    closed = jax.make_jaxpr(jaxamp.amp(f, compute_dtype=BF16, amp_policy=policy))(
+        lin, X, W
+    )
+    assert dots(closed) == [F32, BF16]
+
+
+def test_custom_rule():
+    calls = []
+
+    def exp_in_bf16(compute_dtype, original_dtypes, *invars, **params):
+        calls.append(original_dtypes)
+        return [x.astype(jnp.bfloat16) for x in invars], params
+
+    policy = {**jaxamp.default_amp_policy, "exp": exp_in_bf16}
+    closed = jax.make_jaxpr(
+        jaxamp.amp(lambda x: jnp.exp(x).sum(), compute_dtype=F16, amp_policy=policy)
+    )(X)
+    (exp,) = [e for e in eqns(closed) if e.primitive.name == "exp"]
+    assert exp.outvars[0].aval.dtype == BF16
+    assert calls == [[F32]]
+
+
+def test_nested_amp_inner_wins_inside():
+    inner = jaxamp.amp(lambda x, w: x @ w, compute_dtype=F16)
+    outer = jaxamp.amp(lambda w, x: (inner(x, w) @ w.T).sum(), compute_dtype=BF16)
+    closed = jax.make_jaxpr(outer)(W, X)
+    assert dots(closed) == [F16, BF16]
+    np.testing.assert_allclose(outer(W, X), ((X @ W) @ W.T).sum(), rtol=2e-2, atol=1e-2)
+
+
+def test_amp_under_jit_and_jit_under_amp():
+    f = jaxamp.amp(mlp, compute_dtype=BF16)
+    a = jax.jit(f)(W, X)
+    b = jaxamp.amp(jax.jit(mlp), compute_dtype=BF16)(W, X)
+    c = f(W, X)
+    assert a.dtype == b.dtype == F32
+    np.testing.assert_allclose(a, c, rtol=1e-6)
+    np.testing.assert_allclose(b, c, rtol=1e-6)
+    assert dots(jax.make_jaxpr(jaxamp.amp(jax.jit(mlp), compute_dtype=BF16))(W, X)) == [
+        BF16
+    ]
+
+
+def test_vmap_with_axis_name_and_vjp():
+    def f(x, w):
+        h = jnp.tanh(x @ w)
+        return h - jax.lax.pmean(h, "batch")
+
+    amp_f = jaxamp.amp(f, compute_dtype=BF16)
+    out = jax.vmap(amp_f, in_axes=(0, None), axis_name="batch")(X, W)
+    ref = jax.vmap(f, in_axes=(0, None), axis_name="batch")(X, W)
+    assert out.dtype == F32
+    np.testing.assert_allclose(out, ref, atol=2e-2)
+    sq = lambda w, x: jnp.square(jnp.tanh(x @ w)).sum()
+    y, vjp = jax.vjp(lambda w: jaxamp.amp(sq, compute_dtype=BF16)(w, X), W)
+    (gw,) = vjp(jnp.ones_like(y))
+    assert gw.dtype == F32
+    ref_g = jax.grad(sq)(W, X)
+    assert float(jnp.linalg.norm(gw - ref_g) / jnp.linalg.norm(ref_g)) < 5e-2
+
+
+def test_user_casts_are_respected():
+    def f(w, x):
+        h = x @ w
+        return jnp.exp(h.astype(jnp.float16)).astype(jnp.float32).sum()
+
+    closed = jax.make_jaxpr(jaxamp.amp(f, compute_dtype=BF16))(W, X)
+    (exp,) = [e for e in eqns(closed) if e.primitive.name == "exp"]
+    # exp is a float32 op, but the user's float16 cast happens before it.
+    assert [v.aval.dtype for v in exp.invars] == [F32]
+    convs = [
+        e.params["new_dtype"]
+        for e in eqns(closed)
+        if e.primitive.name == "convert_element_type"
+    ]
+    assert F16 in convs
+
+
+def test_force_full_precision():
+    @jaxamp.force_full_precision
+    def head(x, w):
+        return x @ w
+
+    f = lambda w, x: head(x.astype(jnp.bfloat16), w).sum() + (x @ w).sum()
+    closed = jax.make_jaxpr(jaxamp.amp(f, compute_dtype=BF16))(W, X)
+    assert dots(closed) == [F32, BF16]
+
+
+def test_float32_compute_dtype_is_the_identity_on_a_jaxpr():
+    closed = jax.make_jaxpr(jaxamp.amp(mlp, compute_dtype=F32))(W, X)
+    assert not [e for e in eqns(closed) if e.primitive.name == "convert_element_type"]
+    np.testing.assert_allclose(jaxamp.amp(mlp, compute_dtype=F32)(W, X), mlp(W, X))

@@ -1,0 +1,145 @@
+"""Tests of the equation loop (jaxamp/_interpreter.py): policy lookup order,
+cast deduplication, values that are never cast, and rule-result checks."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.extend.core import jaxprs_in_params
+
+import jaxamp
+from jaxamp._interpreter import AmpPolicy
+
+BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32)
+
+
+def eqns(closed):
+    core = getattr(closed, "jaxpr", closed)
+    for e in core.eqns:
+        yield e
+        for sub in jaxprs_in_params(e.params):
+            yield from eqns(sub)
+
+
+def out_dtype(closed, name):
+    return [e.outvars[0].aval.dtype for e in eqns(closed) if e.primitive.name == name]
+
+
+X = jnp.linspace(-1, 1, 12, dtype=jnp.float32).reshape(3, 4)
+W = jnp.linspace(-1, 1, 20, dtype=jnp.float32).reshape(4, 5)
+
+
+def test_policy_key_errors():
+    with pytest.raises(TypeError, match="neither a primitive"):
+        AmpPolicy({3: jaxamp.use_compute_precision})
+    with pytest.raises(TypeError, match=r"amp_policy\['exp'\] must be a rule"):
+        AmpPolicy({"exp": "float32"})
+    with pytest.raises(TypeError, match="must be a mapping"):
+        AmpPolicy([("exp", jaxamp.use_full_precision)])
+
+
+def test_lookup_order_scope_then_primitive_then_name_then_default():
+    full, low, orig = (
+        jaxamp.use_full_precision,
+        jaxamp.use_compute_precision,
+        jaxamp.use_original_precision,
+    )
+    pol = AmpPolicy(
+        {"outer": full, "inner": orig, jax.lax.exp_p: low, "exp": orig, "tanh": low}
+    )
+    exp_p, tanh_p, sin_p = jax.lax.exp_p, jax.lax.tanh_p, jax.lax.sin_p
+    assert pol.lookup(exp_p, ("outer", "inner")) is full  # outermost scope wins
+    assert pol.lookup(exp_p, ("x", "inner")) is orig
+    assert pol.lookup(exp_p, ()) is low  # primitive object before name
+    assert pol.lookup(tanh_p, ()) is low  # then name
+    assert pol.lookup(sin_p, ()) is jaxamp.follow_compute_precision  # default
+    assert pol.lookup(sin_p, ("amp_stop",)) is orig  # amp_stop always known
+
+
+def test_named_scope_matches_whole_components_only():
+    def f(x, w):
+        with jax.named_scope("block"), jax.named_scope("eqx.nn.LinearX"):
+            a = x @ w
+        with jax.named_scope("block/eqx.nn.Linear"):
+            b = x @ w
+        return a, b
+
+    policy = {**jaxamp.default_amp_policy, "eqx.nn.Linear": jaxamp.use_full_precision}
+    closed = jax.make_jaxpr(jaxamp.amp(f, compute_dtype=BF16, amp_policy=policy))(X, W)
+    assert out_dtype(closed, "dot_general") == [BF16, F32]
+
+
+def test_one_parameter_used_by_many_matmuls_is_cast_once():
+    def f(w, x):
+        return (x @ w).sum() + (jnp.tanh(x) @ w).sum() + ((2 * x) @ w).sum()
+
+    closed = jax.make_jaxpr(jaxamp.amp(f, compute_dtype=BF16))(W, X)
+    w_var = closed.jaxpr.invars[0]
+    casts = [
+        e
+        for e in closed.jaxpr.eqns
+        if e.primitive.name == "convert_element_type" and e.invars[0] is w_var
+    ]
+    assert len(casts) == 1
+
+
+def test_integer_bool_key_and_complex_values_are_never_cast():
+    def f(x, i, key, c):
+        k1, _ = jax.random.split(key)
+        noise = jax.random.normal(k1, x.shape, x.dtype)
+        j = i * 3 + 1
+        z = (c * c).real.astype(x.dtype).sum()
+        mask = x > 0
+        return (jnp.where(mask, x, 0.0) @ x.T).sum() + z + noise.sum(), j
+
+    i = jnp.arange(3, dtype=jnp.int32)
+    args = (X, i, jax.random.key(0), jnp.ones(2, "complex64"))
+
+    def converts(closed):
+        return {
+            (e.invars[0].aval.dtype, e.params["new_dtype"])
+            for e in eqns(closed)
+            if e.primitive.name == "convert_element_type"
+        }
+
+    ref = converts(jax.make_jaxpr(f)(*args))
+    added = converts(jax.make_jaxpr(jaxamp.amp(f, compute_dtype=BF16))(*args)) - ref
+    assert added  # amp did cast something...
+    for src, dst in added:  # ...but only floats, to floats
+        assert jnp.issubdtype(src, jnp.floating) and jnp.issubdtype(dst, jnp.floating)
+    out, j = jaxamp.amp(f, compute_dtype=BF16)(*args)
+    assert j.dtype == jnp.int32 and out.dtype == F32
+    np.testing.assert_array_equal(j, i * 3 + 1)
+
+
+def test_python_scalars_follow_the_other_operand():
+    def f(x, w):
+        h = x @ w
+        return (h * 0.5 + 1.0) / 3.0
+
+    closed = jax.make_jaxpr(jaxamp.amp(f, compute_dtype=BF16))(X, W)
+    for name in ("mul", "add", "div"):
+        assert out_dtype(closed, name) == [BF16]
+
+
+def test_rule_returning_wrong_arity_names_the_primitive():
+    bad = lambda compute_dtype, original_dtypes, *xs, **params: (xs[:1], params)
+    f = jaxamp.amp(lambda a, b: a + b, amp_policy={"add": bad})
+    with pytest.raises(TypeError, match="primitive 'add'"):
+        f(X, X)
+    worse = lambda compute_dtype, original_dtypes, *xs, **params: xs[0]
+    with pytest.raises(TypeError, match=r"must return \(invars, bind_params\)"):
+        jaxamp.amp(lambda a, b: a * b, amp_policy={"mul": worse})(X, X)
+
+
+def test_source_info_is_kept():
+    def f(x, w):
+        with jax.named_scope("my_layer"):
+            return jnp.tanh(x @ w)
+
+    closed = jax.make_jaxpr(jaxamp.amp(f, compute_dtype=BF16))(X, W)
+    (dot,) = [e for e in eqns(closed) if e.primitive.name == "dot_general"]
+    assert "my_layer" in str(dot.source_info.name_stack)
+    assert "test_interpreter.py" in str(
+        jax.extend.source_info_util.summarize(dot.source_info)
+    )
