@@ -1,0 +1,79 @@
+"""Tests of the jmp-style Policy and the cast_* pytree helpers (jaxamp/_policy.py)."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxamp
+
+BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "p=f32,c=bf16,o=f32",
+        "params=float32,compute=bfloat16,output=float32",
+        " c=bf16 , p=f32 ",  # order and spaces do not matter; o defaults to f32
+    ],
+)
+def test_policy_parsing(spec):
+    pol = jaxamp.get_policy(spec)
+    assert (pol.param_dtype, pol.compute_dtype, pol.output_dtype) == (F32, BF16, F32)
+
+
+def test_policy_single_dtype_and_errors():
+    pol = jaxamp.Policy.from_string("f16")
+    assert pol.param_dtype == pol.compute_dtype == pol.output_dtype == F16
+    with pytest.raises(ValueError, match="Unknown policy entry 'q=f32'"):
+        jaxamp.get_policy("p=f32,q=f32")
+    with pytest.raises(ValueError, match="compute_dtype must be a floating"):
+        jaxamp.Policy(F32, jnp.int8, F32)
+    with pytest.raises(ValueError, match="not a known floating-point dtype"):
+        jaxamp.get_policy("p=f33")
+
+
+def test_policy_casts():
+    pol = jaxamp.get_policy("p=f32,c=bf16,o=f16")
+    tree = {"w": jnp.ones(2), "i": jnp.arange(2)}
+    assert pol.cast_to_compute(tree)["w"].dtype == BF16
+    assert pol.cast_to_output(tree)["w"].dtype == F16
+    assert pol.cast_to_param(pol.cast_to_compute(tree))["w"].dtype == F32
+    assert pol.cast_to_compute(tree)["i"].dtype == jnp.int32
+
+
+def test_cast_tree_only_touches_float_arrays():
+    lin = eqx.nn.Linear(2, 3, key=jax.random.key(0))
+    tree = {
+        "m": lin,
+        "i": jnp.arange(3),
+        "b": jnp.ones(2, bool),
+        "c": jnp.ones(2, jnp.complex64),
+        "k": jax.random.key(1),
+        "n": np.ones(2, np.float64),
+        "s": "static",
+        "f": 1.5,
+    }
+    out = jaxamp.cast_to_bfloat16(tree)
+    assert out["m"].weight.dtype == BF16 and out["m"].bias.dtype == BF16
+    assert out["n"].dtype == BF16
+    assert out["i"].dtype == jnp.int32 and out["b"].dtype == bool
+    assert out["c"].dtype == jnp.complex64 and out["k"] is tree["k"]
+    assert out["s"] == "static" and out["f"] == 1.5
+    assert jaxamp.cast_to_float16(tree)["m"].weight.dtype == F16
+    assert jaxamp.cast_to_float32(out)["m"].weight.dtype == F32
+    assert jaxamp.cast_to_full_precision(out)["n"].dtype == F32
+    with pytest.raises(ValueError, match="floating"):
+        jaxamp.cast_tree(tree, jnp.int32)
+
+
+def test_half_precision_dtype_is_configurable():
+    x = {"w": jnp.ones(2)}
+    assert jaxamp.cast_to_half_precision(x)["w"].dtype == F16
+    jaxamp.set_half_precision_dtype(jnp.bfloat16)
+    try:
+        assert jaxamp.cast_to_half_precision(x)["w"].dtype == BF16
+    finally:
+        jaxamp.set_half_precision_dtype(jnp.float16)
