@@ -179,3 +179,16 @@ def convert(x: Any, dtype: Any, weak_type: bool = False) -> Any:
 def aval_of(x: Any) -> Any:
     """The abstract value of an array, tracer or Python scalar."""
     return jax.typeof(x)
+
+
+def scan_carry_range(params: dict) -> tuple[int, int]:
+    """``(num_consts, num_carry)`` of a ``scan`` equation.
+
+    JAX 0.10: explicit ``num_consts``/``num_carry`` params. JAX >= 0.11: a
+    flat-tree tuple ``ft_in`` of (consts, carry, xs).
+    """
+    if "num_carry" in params:  # JAX <= 0.10
+        return params["num_consts"], params["num_carry"]
+    ft_in = params["ft_in"]  # JAX >= 0.11
+    consts, carry, _ = ft_in.update(list(range(len(ft_in)))).unpack()
+    return len(list(consts)), len(list(carry))

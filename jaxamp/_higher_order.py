@@ -22,7 +22,8 @@ from typing import Any
 import jax
 
 from . import _compat
-from ._interpreter import AmpContext, eval_jaxpr, restore
+from ._dtypes import dtype_of
+from ._interpreter import AmpContext, check_rule_result, eval_jaxpr, restore
 from ._rules import cast_cache
 
 HigherOrderRule = Callable[[Any, list, AmpContext], Any]
@@ -60,35 +61,62 @@ def _param_jaxprs(params: dict):
         yield from val if isinstance(val, (tuple, list)) else (val,)
 
 
-def rewrite_jaxpr(jaxpr: Any, ctx: AmpContext) -> Any:
-    """``jaxpr`` rewritten under ``ctx``, with identical in/out avals.
+FREE = "free"  # out_dtypes: outputs keep whatever dtype the rewritten body gives
 
-    Returns a jaxpr of the same kind (closed or open), or None when an open
-    jaxpr would need constants it cannot carry (the caller then runs the
-    equation unchanged).
+
+def rewrite_jaxpr(
+    jaxpr: Any,
+    ctx: AmpContext,
+    in_dtypes: tuple | None = None,
+    out_dtypes: tuple | str | None = None,
+) -> Any:
+    """``jaxpr`` rewritten under ``ctx``; by default with identical in/out avals.
+
+    ``in_dtypes`` / ``out_dtypes`` (one entry per input / output, None to keep
+    the traced dtype) change the signature where a rule asked for it (scan
+    carries); ``out_dtypes=FREE`` lets outputs leave in the dtype the body
+    computes them in (call-like primitives). Returns a jaxpr of the same kind
+    (closed or open), or None when an open jaxpr would need constants it
+    cannot carry (the caller then runs the equation unchanged).
     """
     try:
         per_jaxpr = _REWRITES.setdefault(jaxpr, {})
     except TypeError:  # not weak-referenceable: no caching
         per_jaxpr = {}
-    key = ctx.key
+    key = (ctx.key, in_dtypes, out_dtypes)
     if key not in per_jaxpr:
-        per_jaxpr[key] = _compat.like(jaxpr, _retrace(jaxpr, ctx))
+        new = _retrace(jaxpr, ctx, in_dtypes, out_dtypes)
+        per_jaxpr[key] = _compat.like(jaxpr, new)
     return per_jaxpr[key]
 
 
-def _retrace(jaxpr: Any, ctx: AmpContext) -> Any:
+def _with_dtypes(avals: list, dtypes: tuple | None) -> list:
+    if dtypes is None:
+        return avals
+    return [
+        a if d is None else a.update(dtype=d, weak_type=False)
+        for a, d in zip(avals, dtypes)
+    ]
+
+
+def _retrace(jaxpr: Any, ctx: AmpContext, in_dtypes=None, out_dtypes=None) -> Any:
     core, consts = _compat.jaxpr_parts(jaxpr)
+    in_avals = _with_dtypes([v.aval for v in core.invars], in_dtypes)
+    free = isinstance(out_dtypes, str) and out_dtypes == FREE
     out_avals = [v.aval for v in core.outvars]
+    if not free:
+        out_avals = _with_dtypes(out_avals, out_dtypes)
 
     def amp_body(*args):
         # A fresh cast cache per trace: a cast made in this trace must never be
         # served to another one (it would leak a tracer).
         with cast_cache():
             outs = eval_jaxpr(core, consts, args, ctx)
+            if free:
+                return outs
             return [restore(x, a) for x, a in zip(outs, out_avals)]
 
-    return _compat.trace_to_closed_jaxpr(amp_body, [v.aval for v in core.invars])
+    return _compat.trace_to_closed_jaxpr(amp_body, in_avals)
 
 
 def _restore_inputs(eqn: Any, invals: list) -> list:
@@ -117,16 +145,32 @@ def _rewrite_params(params: dict, ctx: AmpContext) -> dict | None:
 
 
 @register_higher_order(
-    "jit",
-    "pjit",
-    "closed_call",
-    "core_call",
-    "remat2",
-    "checkpoint",
-    "scan",
-    "while",
-    "cond",
+    "jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint"
 )
+def _call(eqn: Any, invals: list, ctx: AmpContext) -> Any:
+    """Call-like primitives: dtypes flow through as if the body were inlined.
+
+    The body is rewritten for the dtypes its inputs have now, and its outputs
+    leave in the dtypes the policy computed them in. So ``amp(jit(f))`` makes
+    the same precision choices as ``amp(f)``, a ``jax.checkpoint``-ed layer
+    saves its low-precision inputs, and no cast pair is spent at each call
+    boundary. Shardings, layouts, donation and remat policies are per input and
+    stay valid.
+    """
+    (name,) = [k for k, v in eqn.params.items() if _compat.is_jaxpr(v)]
+    in_dtypes = tuple(
+        None if dtype_of(x) == v.aval.dtype else dtype_of(x)
+        for x, v in zip(invals, eqn.invars)
+    )
+    params = dict(eqn.params)
+    params[name] = rewrite_jaxpr(params[name], ctx, in_dtypes, FREE)
+    if params[name] is None:
+        return run_unchanged(eqn, invals, ctx)
+    bparams = _compat.bind_params(eqn.primitive, params)
+    return _compat.bind(eqn.primitive, invals, bparams)
+
+
+@register_higher_order("while", "cond")
 def rewrite_subjaxprs(eqn: Any, invals: list, ctx: AmpContext) -> Any:
     """Default rule: rewrite every sub-jaxpr parameter, re-bind the primitive."""
     new_params = _rewrite_params(eqn.params, ctx)
@@ -134,6 +178,42 @@ def rewrite_subjaxprs(eqn: Any, invals: list, ctx: AmpContext) -> Any:
         return run_unchanged(eqn, invals, ctx)
     params = _compat.bind_params(eqn.primitive, new_params)
     return _compat.bind(eqn.primitive, _restore_inputs(eqn, invals), params)
+
+
+@register_higher_order("scan")
+def _scan(eqn: Any, invals: list, ctx: AmpContext) -> Any:
+    """Scan: the policy's rule for ``scan`` chooses the dtype of the carries.
+
+    By default (see ``_rules.py``) float carries are narrowed to bfloat16 when
+    that is the compute dtype, which removes the float32 residual stream of a
+    scanned transformer, and keep their traced dtype otherwise.
+    """
+    n_consts, n_carry = _compat.scan_carry_range(eqn.params)
+    invals = _restore_inputs(eqn, invals)
+    carry_vars = eqn.invars[n_consts : n_consts + n_carry]
+    rule = ctx.policy.lookup(eqn.primitive, ctx.scopes)
+    result = rule(
+        ctx.compute_dtype,
+        [v.aval.dtype for v in carry_vars],
+        *invals[n_consts : n_consts + n_carry],
+    )
+    carry, _ = check_rule_result(result, eqn.primitive, rule, n_carry)
+    dtypes = tuple(
+        None if getattr(c, "dtype", None) == v.aval.dtype else c.dtype
+        for c, v in zip(carry, carry_vars)
+    )
+    if all(d is None for d in dtypes):
+        return rewrite_subjaxprs(eqn, invals, ctx)
+    n_in = len(eqn.invars)
+    in_dtypes = (None,) * n_consts + dtypes + (None,) * (n_in - n_consts - n_carry)
+    out_dtypes = dtypes + (None,) * (len(eqn.outvars) - n_carry)
+    params = dict(eqn.params)
+    params["jaxpr"] = rewrite_jaxpr(params["jaxpr"], ctx, in_dtypes, out_dtypes)
+    if params["jaxpr"] is None:
+        return run_unchanged(eqn, invals, ctx)
+    invals[n_consts : n_consts + n_carry] = carry
+    bparams = _compat.bind_params(eqn.primitive, params)
+    return _compat.bind(eqn.primitive, invals, bparams)
 
 
 @register_higher_order("shard_map")

@@ -164,11 +164,12 @@ def _apply_rule(eqn, invals, ctx: AmpContext, scopes) -> Any:
     params = _compat.bind_params(prim, eqn.params)
     original = [v.aval.dtype for v in eqn.invars]
     result = rule(ctx.compute_dtype, original, *invals, **params)
-    new_in, new_params = _check_rule_result(result, prim, rule, len(invals))
+    new_in, new_params = check_rule_result(result, prim, rule, len(invals))
     return _compat.bind(prim, new_in, new_params)
 
 
-def _check_rule_result(result, prim, rule: Callable, n: int):
+def check_rule_result(result, prim, rule: Callable, n: int):
+    """Validate a rule's ``(invars, bind_params)`` result for ``n`` inputs."""
     name = getattr(rule, "__name__", repr(rule))
     if not (isinstance(result, (tuple, list)) and len(result) == 2):
         raise TypeError(

@@ -21,6 +21,10 @@ JAX primitives, see DESIGN.md, in three families:
 * float32: range- or accuracy-critical ops (exp, log, sums, ...);
 * follow: everything else runs in the compute dtype if one of its traced float
   inputs already is in it, otherwise in the dtypes the original jaxpr had.
+
+The entry for ``scan`` is applied to the loop carries: by default they are
+narrowed to bfloat16 when that is the compute dtype (DESIGN.md: it removes the
+float32 residual stream of a scanned transformer).
 """
 
 from __future__ import annotations
@@ -197,6 +201,27 @@ def _integer_pow(compute_dtype, original_dtypes, *invars, **params):
     return follow_compute_precision(compute_dtype, original_dtypes, *invars, **params)
 
 
+def narrow_bfloat16_carries(compute_dtype, original_dtypes, *carries, **params):
+    """Loop-carry rule (the policy entry for ``scan``): with a bfloat16 compute
+    dtype, float carries wider than it (the residual stream of a scanned
+    transformer) run in bfloat16; otherwise carries keep their traced dtype.
+
+    bfloat16 has float32's exponent range, so a carried activation cannot
+    overflow; float16 could, so it keeps float32 carries (as PyTorch autocast
+    keeps a float32 residual stream). Weakly typed carries are never narrowed.
+    """
+    del original_dtypes
+    if np.dtype(compute_dtype) != np.dtype(jnp.bfloat16):
+        return list(carries), params
+    out = [
+        cast(c, compute_dtype)
+        if not is_weak(c) and is_float(dtype_of(c)) and dtype_of(c).itemsize > 2
+        else c
+        for c in carries
+    ]
+    return out, params
+
+
 # --------------------------------------------------------------------------------
 # THE default table, filled by small family helpers (jax's jet.py style).
 
@@ -272,4 +297,6 @@ _family(
     "debug_callback",
     "debug_print",
 )
+# A loop primitive's rule decides the dtype of its carries (see _higher_order).
+_family(narrow_bfloat16_carries, "scan")
 default_amp_policy["amp_default"] = follow_compute_precision

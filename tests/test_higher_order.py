@@ -102,11 +102,58 @@ def test_remat_policy_is_kept():
     assert remat.params["policy"] is policy
 
 
-def test_scan_carry_keeps_its_traced_dtype():
+@pytest.mark.parametrize(
+    "compute, policy, carry",
+    [
+        (BF16, jaxamp.default_amp_policy, BF16),  # narrowed: no float32 stream
+        (np.dtype(jnp.float16), jaxamp.default_amp_policy, F32),  # could overflow
+        (
+            BF16,
+            {**jaxamp.default_amp_policy, "scan": jaxamp.use_original_precision},
+            F32,
+        ),
+    ],
+)
+def test_scan_carry_dtype_is_chosen_by_the_scan_rule(compute, policy, carry):
     f = CASES["scan"]
-    closed = jax.make_jaxpr(jaxamp.amp(f, compute_dtype=jnp.bfloat16))(W, X)
+    amp_f = jaxamp.amp(f, compute_dtype=compute, amp_policy=policy)
+    closed = jax.make_jaxpr(amp_f)(W, X)
     (scan,) = [e for e in eqns(closed) if e.primitive.name == "scan"]
-    assert [v.aval.dtype for v in scan.outvars] == [F32]
+    assert [v.aval.dtype for v in scan.outvars] == [carry]
+    body = scan.params["jaxpr"]
+    assert [v.aval.dtype for v in getattr(body, "jaxpr", body).outvars] == [carry]
+    assert amp_f(W, X).dtype == F32
+    np.testing.assert_allclose(amp_f(W, X), f(W, X), rtol=5e-2, atol=5e-2)
+
+
+def test_weak_typed_scan_carry_is_not_narrowed():
+    f = lambda x: lax.scan(lambda c, a: (c + a.sum(), None), 0.0, x)[0]
+    closed = jax.make_jaxpr(jaxamp.amp(f, compute_dtype=BF16))(X)
+    (scan,) = [e for e in eqns(closed) if e.primitive.name == "scan"]
+    assert scan.outvars[0].aval.dtype == F32
+
+
+def test_jit_and_remat_let_dtypes_flow_through():
+    def f(w, x):
+        h = jnp.tanh(x @ w)
+        h = jax.jit(lambda a: a * 2.0)(h)
+        return jax.checkpoint(lambda a: jnp.sin(a))(h).sum()
+
+    closed = jax.make_jaxpr(jaxamp.amp(f, compute_dtype=BF16))(W, X)
+    calls = [e for e in eqns(closed) if e.primitive.name in ("jit", "remat2")]
+    for e in calls:  # no cast pair at the boundary: inputs and outputs stay low
+        assert [v.aval.dtype for v in e.invars] == [BF16]
+        assert [v.aval.dtype for v in e.outvars] == [BF16]
+    # The same precision choices with and without jit around the function.
+    def choices(fn):
+        closed = jax.make_jaxpr(jaxamp.amp(fn, compute_dtype=BF16))(W, X)
+        return [
+            (e.primitive.name, [v.aval.dtype for v in e.outvars])
+            for e in eqns(closed)
+            if e.primitive.name != "jit"
+        ]
+
+    assert choices(jax.jit(f)) == choices(f)
 
 
 def test_custom_jvp_rule_still_runs():
@@ -196,7 +243,7 @@ def test_jitted_layer_is_rewritten_once(monkeypatch):
     calls = []
     retrace = _higher_order._retrace
     monkeypatch.setattr(
-        _higher_order, "_retrace", lambda j, c: calls.append(j) or retrace(j, c)
+        _higher_order, "_retrace", lambda j, *a: calls.append(j) or retrace(j, *a)
     )
     layer = jax.jit(lambda a, b: jnp.tanh(a @ b))
 
@@ -206,7 +253,9 @@ def test_jitted_layer_is_rewritten_once(monkeypatch):
         return x.sum()
 
     jax.make_jaxpr(jaxamp.amp(f, compute_dtype=jnp.bfloat16))(W, X)
-    assert len(calls) == 1
+    # Once per input dtype signature: float32 x on the first call, then the
+    # bfloat16 output of the previous layer on the four others.
+    assert len(calls) == 2
 
 
 def test_register_higher_order_adds_a_rule():
