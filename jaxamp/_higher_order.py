@@ -158,10 +158,7 @@ def _call(eqn: Any, invals: list, ctx: AmpContext) -> Any:
     stay valid.
     """
     (name,) = [k for k, v in eqn.params.items() if _compat.is_jaxpr(v)]
-    in_dtypes = tuple(
-        None if dtype_of(x) == v.aval.dtype else dtype_of(x)
-        for x, v in zip(invals, eqn.invars)
-    )
+    in_dtypes = _changed_dtypes(invals, eqn.invars)
     params = dict(eqn.params)
     params[name] = rewrite_jaxpr(params[name], ctx, in_dtypes, FREE)
     if params[name] is None:
@@ -234,18 +231,49 @@ def _amp_closed_jaxpr(jaxpr: Any, consts: list, ctx: AmpContext) -> tuple[Any, l
 
 @register_higher_order("custom_jvp_call")
 def _custom_jvp_call(eqn: Any, invals: list, ctx: AmpContext) -> Any:
+    """custom_jvp: the primal and the user's jvp rule are both rewritten.
+
+    Dtypes flow through as for ``jit``: the primal body is rewritten for the
+    dtypes its inputs have now (a bfloat16 activation entering
+    ``jax.nn.relu`` stays bfloat16), and the jvp rule, traced by JAX at the
+    original dtypes, is rewritten for the same input dtypes (tangents share
+    their primal's dtype) and made to return the primal's output dtypes.
+    """
     params = dict(eqn.params)
-    params["call_jaxpr"] = rewrite_jaxpr(params["call_jaxpr"], ctx)
+    n_consts = params["num_consts"]
+    in_dtypes = _changed_dtypes(invals, eqn.invars)
+    call = rewrite_jaxpr(params["call_jaxpr"], ctx, in_dtypes, FREE)
+    core, _ = _compat.jaxpr_parts(call)
+    out_dtypes = _changed_dtypes(core.outvars, eqn.outvars)
+    params["call_jaxpr"] = call
     user_jvp = params["jvp_jaxpr_fun"]
+    primal_in = in_dtypes[n_consts:]
 
     def amp_jvp(*zeros):
-        # The user's jvp rule, traced by JAX, rewritten with identical avals.
-        jvp_jaxpr, jvp_consts, *rest = user_jvp.call_wrapped(*zeros)
-        return (*_amp_closed_jaxpr(jvp_jaxpr, jvp_consts, ctx), *rest)
+        # zeros: which input tangents are symbolic zeros; the jvp jaxpr takes
+        # (primals, nonzero tangents) and returns (primals, nonzero tangents).
+        jvp_jaxpr, jvp_consts, out_zeros, *rest = user_jvp.call_wrapped(*zeros)
+        jin = primal_in + tuple(d for d, z in zip(primal_in, zeros) if not z)
+        jout = out_dtypes + tuple(d for d, z in zip(out_dtypes, out_zeros) if not z)
+        new = rewrite_jaxpr(_compat.ClosedJaxpr(jvp_jaxpr, jvp_consts), ctx, jin, jout)
+        return (*_compat.jaxpr_parts(new), out_zeros, *rest)
 
     params["jvp_jaxpr_fun"] = _compat.wrap_fun(amp_jvp, user_jvp)
     bparams = _compat.bind_params(eqn.primitive, params)
-    return _compat.bind(eqn.primitive, _restore_inputs(eqn, invals), bparams)
+    return _compat.bind(eqn.primitive, invals, bparams)
+
+
+def _changed_dtypes(values: list, like_vars: list) -> tuple:
+    """Per value: its dtype where it differs from ``like_vars``' traced one."""
+    return tuple(
+        None if d == v.aval.dtype else d
+        for d, v in zip((_value_dtype(x) for x in values), like_vars)
+    )
+
+
+def _value_dtype(x: Any) -> Any:
+    aval = getattr(x, "aval", None)  # a jaxpr Var
+    return aval.dtype if aval is not None else dtype_of(x)
 
 
 @register_higher_order("custom_vjp_call")

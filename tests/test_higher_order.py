@@ -144,6 +144,7 @@ def test_jit_and_remat_let_dtypes_flow_through():
     for e in calls:  # no cast pair at the boundary: inputs and outputs stay low
         assert [v.aval.dtype for v in e.invars] == [BF16]
         assert [v.aval.dtype for v in e.outvars] == [BF16]
+
     # The same precision choices with and without jit around the function.
     def choices(fn):
         closed = jax.make_jaxpr(jaxamp.amp(fn, compute_dtype=BF16))(W, X)
@@ -284,3 +285,44 @@ def test_custom_vjp_bwd_returning_none_cotangents():
     gx, gy = jax.grad(amp_f, argnums=(0, 1))(X, X)
     assert gy.dtype == F32 and float(jnp.abs(gy).max()) == 0.0
     np.testing.assert_allclose(gx, jax.grad(f)(X, X), rtol=2e-2, atol=2e-2)
+
+
+def test_relu_custom_jvp_lets_bfloat16_flow_through():
+    def f(w, x):
+        return jnp.square(jax.nn.relu(x @ w) @ w).sum()
+
+    amp_f = jaxamp.amp(f, compute_dtype=BF16)
+    closed = jax.make_jaxpr(amp_f)(W, X)
+    (call,) = [e for e in eqns(closed) if e.primitive.name == "custom_jvp_call"]
+    assert [v.aval.dtype for v in call.invars] == [BF16]
+    assert [v.aval.dtype for v in call.outvars] == [BF16]
+    g, g_ref = jax.grad(amp_f)(W, X), jax.grad(f)(W, X)
+    assert g.dtype == F32
+    assert float(jnp.linalg.norm(g - g_ref) / jnp.linalg.norm(g_ref)) < 5e-2
+    # Forward mode too: the rewritten jvp rule returns the primal's dtypes.
+    _, t = jax.jvp(lambda w: amp_f(w, X), (W,), (W,))
+    _, t_ref = jax.jvp(lambda w: f(w, X), (W,), (W,))
+    np.testing.assert_allclose(t, t_ref, rtol=5e-2)
+
+
+def test_custom_jvp_with_symbolic_zero_tangents():
+    @jax.custom_jvp
+    def scaled(x, s):
+        return x * s
+
+    @scaled.defjvp
+    def _(primals, tangents):
+        (x, s), (tx, ts) = primals, tangents
+        return x * s, 5.0 * tx * s + ts * x  # 5.0: marks the user's rule
+
+    def f(w, x, s):
+        return scaled(x @ w, s).sum()
+
+    s = jnp.float32(0.5)
+    amp_f = jaxamp.amp(f, compute_dtype=BF16)
+    gx = jax.grad(amp_f, argnums=1)(W, X, s)  # tangent of s is a symbolic zero
+    np.testing.assert_allclose(
+        gx, jnp.broadcast_to(5.0 * 0.5 * W.sum(1), X.shape), rtol=2e-2
+    )
+    gs = jax.grad(amp_f, argnums=2)(W, X, s)
+    np.testing.assert_allclose(gs, (X @ W).sum(), rtol=2e-2, atol=2e-2)
