@@ -11,6 +11,11 @@ from ._amp import amp as amp
 from ._amp import amp_stop as amp_stop
 from ._amp import force_full_precision as force_full_precision
 from ._higher_order import register_higher_order as register_higher_order
+from ._optax import SkipNonFiniteState as SkipNonFiniteState
+from ._optax import all_finite as all_finite
+from ._optax import optimizer_update as optimizer_update
+from ._optax import select_tree as select_tree
+from ._optax import skip_nonfinite_updates as skip_nonfinite_updates
 from ._policy import Policy as Policy
 from ._policy import cast_to_bfloat16 as cast_to_bfloat16
 from ._policy import cast_to_float16 as cast_to_float16
@@ -28,11 +33,20 @@ from ._rules import use_full_precision as use_full_precision
 from ._rules import use_original_precision as use_original_precision
 from ._rules import use_precision as use_precision
 from ._rules import use_widest_precision as use_widest_precision
+from ._scaler import DynamicScalerState as DynamicScalerState
+from ._scaler import StaticScalerState as StaticScalerState
+from ._scaler import dynamic_scale_grad as dynamic_scale_grad
+from ._scaler import dynamic_scale_tx as dynamic_scale_tx
+from ._scaler import dynamic_scale_value_and_grad as dynamic_scale_value_and_grad
 
 __version__ = "0.1.0"
 
 __all__ = (
+    "DynamicScalerState",
     "Policy",
+    "SkipNonFiniteState",
+    "StaticScalerState",
+    "all_finite",
     "amp",
     "amp_stop",
     "cast_to_bfloat16",
@@ -42,12 +56,18 @@ __all__ = (
     "cast_to_half_precision",
     "cast_tree",
     "default_amp_policy",
+    "dynamic_scale_grad",
+    "dynamic_scale_tx",
+    "dynamic_scale_value_and_grad",
     "follow_compute_precision",
     "force_full_precision",
     "get_policy",
     "keep_current_precision",
+    "optimizer_update",
     "register_higher_order",
+    "select_tree",
     "set_half_precision_dtype",
+    "skip_nonfinite_updates",
     "use_compute_precision",
     "use_full_precision",
     "use_original_precision",
