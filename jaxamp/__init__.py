@@ -10,6 +10,12 @@ integration complete the training story.
 from ._amp import amp as amp
 from ._amp import amp_stop as amp_stop
 from ._amp import force_full_precision as force_full_precision
+from ._analysis import count_primitive as count_primitive
+from ._analysis import iter_equations as iter_equations
+from ._analysis import low_precision_flop_share as low_precision_flop_share
+from ._analysis import matmul_flops_by_dtype as matmul_flops_by_dtype
+from ._analysis import primitive_dtypes as primitive_dtypes
+from ._analysis import saved_residual_bytes as saved_residual_bytes
 from ._higher_order import register_higher_order as register_higher_order
 from ._optax import SkipNonFiniteState as SkipNonFiniteState
 from ._optax import all_finite as all_finite
@@ -55,6 +61,7 @@ __all__ = (
     "cast_to_full_precision",
     "cast_to_half_precision",
     "cast_tree",
+    "count_primitive",
     "default_amp_policy",
     "dynamic_scale_grad",
     "dynamic_scale_tx",
@@ -62,9 +69,14 @@ __all__ = (
     "follow_compute_precision",
     "force_full_precision",
     "get_policy",
+    "iter_equations",
     "keep_current_precision",
+    "low_precision_flop_share",
+    "matmul_flops_by_dtype",
     "optimizer_update",
+    "primitive_dtypes",
     "register_higher_order",
+    "saved_residual_bytes",
     "select_tree",
     "set_half_precision_dtype",
     "skip_nonfinite_updates",

@@ -192,3 +192,11 @@ def scan_carry_range(params: dict) -> tuple[int, int]:
     ft_in = params["ft_in"]  # JAX >= 0.11
     consts, carry, _ = ft_in.update(list(range(len(ft_in)))).unpack()
     return len(list(consts)), len(list(carry))
+
+
+def saved_residuals(fn: Callable, *args: Any, **kwargs: Any) -> list:
+    """``[(aval, source description)]`` of the residuals the backward pass of
+    ``fn`` saves. JAX 0.10 / 0.11: only ``print_saved_residuals`` is public."""
+    from jax._src.ad_checkpoint import saved_residuals as _saved  # private
+
+    return _saved(fn, *args, **kwargs)
