@@ -1,0 +1,438 @@
+"""Train a character-level transformer on the Python standard library's source,
+in float32, bfloat16 and float16 mixed precision, side by side.
+
+    python examples/train_charlm.py                 # all modes, defaults
+    python examples/train_charlm.py --mode bf16 --steps 100 --out /tmp/run
+
+Data: the ``*.py`` files of the running interpreter's standard library (found
+with ``sysconfig``), in sorted order, test suites and ``site-packages``
+excluded; every 10th file is held out whole for validation. Vocabulary: the
+256 byte values (UTF-8 bytes, no tokenizer, nothing unknown).
+
+Model: a small GPT (token + learned position embeddings, pre-LayerNorm blocks
+of causal ``jax.nn.dot_product_attention`` and a GELU MLP) whose layers are one
+``jax.checkpoint``-ed function under ``lax.scan`` over stacked parameters;
+AdamW with linear warmup + cosine decay and global-norm gradient clipping.
+
+Modes (one table entry each): ``fp32`` (no amp), ``bf16`` (``jaxamp.amp``, no
+loss scaling), ``fp16`` (``jaxamp.amp`` + dynamic loss scaling + skipped
+non-finite steps), ``fp8`` (FP8 matmuls, when jaxamp provides an FP8 policy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import sysconfig
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jaxamp
+
+EXCLUDE_DIRS = {"test", "tests", "site-packages", "idle_test", "__pycache__"}
+
+
+@dataclasses.dataclass
+class Config:
+    """Run configuration (command-line flags of the same names)."""
+
+    mode: str = "all"
+    steps: int = 300
+    batch_size: int = 16
+    seq_len: int = 128
+    d_model: int = 128
+    layers: int = 4
+    heads: int = 4
+    lr: float = 3e-3
+    warmup: int = 30
+    seed: int = 0
+    max_bytes: int = 3_000_000
+    eval_batches: int = 8
+    sample_chars: int = 300
+    data_dir: str | None = None
+    out: str = "out"
+
+
+# ---------------------------------------------------------------------------
+# Data
+
+
+class DataError(Exception):
+    """The data folder cannot be read; the CLI prints it as one line."""
+
+
+def load_corpus(data_dir: str | None, max_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """Train and validation byte arrays (uint8) from a folder of ``*.py`` files.
+
+    Files are read in sorted path order until ``max_bytes``; every 10th file
+    goes to validation, whole.
+
+    Raises:
+        DataError: if the folder does not exist, cannot be read, or holds no
+            Python file.
+    """
+    root = Path(data_dir or sysconfig.get_paths()["stdlib"])
+    if not root.is_dir():
+        raise DataError(f"data folder {root} does not exist or is not a folder")
+    try:
+        files = sorted(
+            p
+            for p in root.rglob("*.py")
+            if not EXCLUDE_DIRS & set(p.relative_to(root).parts[:-1])
+        )
+    except OSError as e:
+        raise DataError(f"cannot read data folder {root}: {e}") from None
+    train, val, total = [], [], 0
+    for i, path in enumerate(files):
+        try:
+            data = path.read_bytes()
+        except OSError:
+            continue
+        (val if i % 10 == 9 else train).append(np.frombuffer(data, np.uint8))
+        total += len(data)
+        if total >= max_bytes:
+            break
+    if not train or not val:
+        raise DataError(f"no readable Python files under {root}")
+    return np.concatenate(train), np.concatenate(val)
+
+
+def unigram_entropy_bits(data: np.ndarray) -> float:
+    """Entropy of the byte distribution of ``data``, in bits per character."""
+    p = np.bincount(data, minlength=256) / len(data)
+    p = p[p > 0]
+    return float(-(p * np.log2(p)).sum())
+
+
+def batches(data: np.ndarray, batch: int, seq: int, seed: int):
+    """Endless random (inputs, targets) int32 batches of shape (batch, seq)."""
+    rng = np.random.default_rng(seed)
+    while True:
+        idx = rng.integers(0, len(data) - seq - 1, batch)
+        chunk = np.stack([data[i : i + seq + 1] for i in idx]).astype(np.int32)
+        yield chunk[:, :-1], chunk[:, 1:]
+
+
+# ---------------------------------------------------------------------------
+# Model
+
+
+def init_params(key: jax.Array, cfg: Config) -> dict:
+    """float32 parameters; per-layer weights stacked on a leading layer axis."""
+    d, L = cfg.d_model, cfg.layers
+    ks = jax.random.split(key, 6)
+    n = lambda k, shape, scale: jax.random.normal(k, shape, jnp.float32) * scale
+    return {
+        "tok": n(ks[0], (256, d), 0.02),
+        "pos": n(ks[1], (cfg.seq_len, d), 0.01),
+        "layers": {
+            "ln1": jnp.ones((L, d)),
+            "qkv": n(ks[2], (L, d, 3 * d), d**-0.5),
+            "proj": n(ks[3], (L, d, d), (2 * L * d) ** -0.5),
+            "ln2": jnp.ones((L, d)),
+            "up": n(ks[4], (L, d, 4 * d), d**-0.5),
+            "down": n(ks[5], (L, 4 * d, d), (2 * L * 4 * d) ** -0.5),
+        },
+        "ln_f": jnp.ones((d,)),
+    }
+
+
+def layer_norm(x: jax.Array, gain: jax.Array) -> jax.Array:
+    """LayerNorm over the last axis (no bias)."""
+    mean = x.mean(-1, keepdims=True)
+    var = jnp.square(x - mean).mean(-1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(var + 1e-5) * gain
+
+
+def forward(params: dict, tokens: jax.Array, heads: int) -> jax.Array:
+    """Logits (batch, seq, 256) for int32 tokens (batch, seq)."""
+    b, t = tokens.shape
+    x = params["tok"][tokens] + params["pos"][:t]
+
+    @jax.checkpoint
+    def block(x, w):
+        with jax.named_scope("attn"):
+            h = layer_norm(x, w["ln1"])
+            q, k, v = jnp.split(h @ w["qkv"], 3, axis=-1)
+            split = lambda z: z.reshape(b, t, heads, -1)
+            a = jax.nn.dot_product_attention(
+                split(q), split(k), split(v), is_causal=True, implementation="xla"
+            )
+            x = x + a.reshape(b, t, -1) @ w["proj"]
+        with jax.named_scope("mlp"):
+            h = layer_norm(x, w["ln2"])
+            x = x + jax.nn.gelu(h @ w["up"]) @ w["down"]
+        return x, None
+
+    x, _ = jax.lax.scan(block, x, params["layers"])
+    return layer_norm(x, params["ln_f"]) @ params["tok"].T
+
+
+def loss_fn(params: dict, x: jax.Array, y: jax.Array, heads: int) -> jax.Array:
+    """Mean next-byte cross-entropy in nats (float32 scalar)."""
+    logits = forward(params, x, heads)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+# ---------------------------------------------------------------------------
+# Modes: one entry each. compute: amp compute dtype (None: no amp);
+# scaler: "dynamic" for float16 loss scaling, None for a static (no-op) scale;
+# policy: amp policy.
+
+
+def _fp8_policy():
+    return getattr(jaxamp, "fp8_amp_policy", None)
+
+
+def _fp16_policy():
+    # The default policy keeps float32 scan carries under float16 (a residual
+    # stream could overflow 65504); this small model's cannot, so the example
+    # opts in to float16 carries, which halves what the checkpointed layers save.
+    return {**jaxamp.default_amp_policy, "scan": jaxamp.use_compute_precision}
+
+
+MODES: dict[str, dict[str, Any]] = {
+    "fp32": {"compute": None, "scaler": None},
+    "bf16": {"compute": jnp.bfloat16, "scaler": None},
+    "fp16": {"compute": jnp.float16, "scaler": "dynamic", "policy": _fp16_policy},
+    "fp8": {"compute": jnp.bfloat16, "scaler": None, "policy": _fp8_policy},
+}
+
+
+def mode_loss(mode: str, cfg: Config) -> Callable:
+    """The loss function of a mode: ``loss(params, x, y) -> float32 scalar``."""
+    return _amp_for(mode, lambda p, x, y: loss_fn(p, x, y, cfg.heads))
+
+
+def _amp_for(mode: str, fn: Callable) -> Callable:
+    spec = MODES[mode]
+    if spec["compute"] is None:
+        return fn
+    kw = {}
+    if "policy" in spec:
+        policy = spec["policy"]()
+        if policy is None:
+            raise SystemExit(f"mode {mode}: this jaxamp has no FP8 policy")
+        kw["amp_policy"] = policy
+    return jaxamp.amp(fn, compute_dtype=spec["compute"], **kw)
+
+
+def make_optimizer(cfg: Config) -> optax.GradientTransformation:
+    """AdamW, warmup + cosine schedule, clipping, skipping non-finite steps."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, cfg.lr, cfg.warmup, max(cfg.steps, cfg.warmup + 1), cfg.lr * 0.1
+    )
+    return jaxamp.skip_nonfinite_updates(
+        optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, 0.1))
+    )
+
+
+def train(cfg: Config, mode: str, data: tuple[np.ndarray, np.ndarray], progress=True):
+    """Train one mode; returns a dict of figures (see ``main``)."""
+    train_data, val_data = data
+    loss = mode_loss(mode, cfg)
+    scaler = (
+        jaxamp.DynamicScalerState()
+        if MODES[mode]["scaler"] == "dynamic"
+        else jaxamp.StaticScalerState()
+    )
+    value_and_grad = jaxamp.dynamic_scale_value_and_grad(loss, filter=False)
+    opt = make_optimizer(cfg)
+    params = init_params(jax.random.key(cfg.seed), cfg)
+    opt_state = opt.init(params)
+
+    @jax.jit
+    def step(params, opt_state, scaler, x, y):
+        scaler, (value, grads) = value_and_grad(
+            params, x, y, dynamic_scaler_state=scaler
+        )
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, scaler, value
+
+    eval_loss = jax.jit(loss)
+    it = batches(train_data, cfg.batch_size, cfg.seq_len, cfg.seed)
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    losses, t_start, t_steady = [], time.perf_counter(), None
+    bar = _progress(cfg.steps, mode, progress)
+    for i in range(cfg.steps):
+        x, y = next(it)
+        params, opt_state, scaler, value = step(params, opt_state, scaler, x, y)
+        losses.append(float(value))
+        if i == 1:
+            t_steady = time.perf_counter()  # after compilation and one warm step
+        if bar is not None:
+            elapsed = time.perf_counter() - (t_steady or t_start)
+            done = max(i - 1, 1) if t_steady else 1
+            bar.set_postfix(
+                loss=f"{losses[-1]:.3f}",
+                tok_s=f"{done * tokens_per_step / elapsed:.0f}",
+            )
+            bar.update()
+    if bar is not None:
+        bar.close()
+    elapsed = time.perf_counter() - t_steady if t_steady else float("nan")
+    val_it = batches(val_data, cfg.batch_size, cfg.seq_len, cfg.seed + 1)
+    val = float(
+        np.mean([eval_loss(params, *next(val_it)) for _ in range(cfg.eval_batches)])
+    )
+    x0, y0 = next(batches(train_data, cfg.batch_size, cfg.seq_len, cfg.seed + 2))
+    grad_jaxpr = jax.make_jaxpr(jax.grad(loss))(params, x0, y0)
+    return {
+        "mode": mode,
+        "steps": cfg.steps,
+        "losses": losses,
+        "final_train_loss": float(np.mean(losses[-10:])),
+        "val_loss": val,
+        "val_bits_per_char": val / math.log(2),
+        "tokens_per_s": (cfg.steps - 2) * tokens_per_step / elapsed
+        if cfg.steps > 2
+        else None,
+        "skipped_steps": int(opt_state.skipped_steps),
+        "final_loss_scale": float(scaler.scaler),
+        "low_precision_flop_share": jaxamp.low_precision_flop_share(grad_jaxpr),
+        "residual_bytes": jaxamp.saved_residual_bytes(loss, params, x0, y0),
+        "sample": sample(loss_forward(mode, cfg), params, val_data, cfg),
+    }
+
+
+def loss_forward(mode: str, cfg: Config) -> Callable:
+    """The mode's forward pass (amp'd like its loss) for sampling."""
+    return _amp_for(mode, lambda p, x: forward(p, x, cfg.heads))
+
+
+def sample(fwd: Callable, params: dict, prompt_src: np.ndarray, cfg: Config) -> str:
+    """``cfg.sample_chars`` bytes sampled at temperature 0.8 after a prompt."""
+    fwd = jax.jit(fwd)
+    ctx = list(prompt_src[: cfg.seq_len])
+    key = jax.random.key(cfg.seed)
+    out = []
+    for _ in range(cfg.sample_chars):
+        window = np.asarray(ctx[-cfg.seq_len :], np.int32)[None]
+        logits = fwd(params, window)[0, -1]
+        key, sub = jax.random.split(key)
+        nxt = int(jax.random.categorical(sub, logits / 0.8))
+        ctx.append(nxt)
+        out.append(nxt)
+    return bytes(out).decode("utf-8", errors="replace")
+
+
+def _progress(total: int, mode: str, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=f"{mode:>4}", unit="step", leave=True)
+
+
+# ---------------------------------------------------------------------------
+# Reporting
+
+
+def table(results: list[dict], fp32_residual: int | None) -> str:
+    """Markdown table of the figures per mode."""
+    head = (
+        "| mode | train loss | val loss | val bits/char | tokens/s | skipped steps "
+        "| final loss scale | low-precision matmul FLOPs | residual bytes vs fp32 |"
+    )
+    rows = [head, "|" + "---|" * 9]
+    for r in results:
+        ratio = r["residual_bytes"] / fp32_residual if fp32_residual else float("nan")
+        tps = f"{r['tokens_per_s']:.0f}" if r["tokens_per_s"] else "-"
+        rows.append(
+            f"| {r['mode']} | {r['final_train_loss']:.3f} | {r['val_loss']:.3f} "
+            f"| {r['val_bits_per_char']:.3f} | {tps} | {r['skipped_steps']} "
+            f"| {r['final_loss_scale']:g} | {r['low_precision_flop_share']:.2f} "
+            f"| {ratio:.2f}x |"
+        )
+    return "\n".join(rows)
+
+
+def plot(results: list[dict], path: Path) -> None:
+    """PNG of the training-loss curves."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in results:
+        ax.plot(r["losses"], label=r["mode"], linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("train loss (nats/char)")
+    ax.set_title("char-level GPT on the Python stdlib")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(cfg: Config, progress: bool = True) -> dict:
+    """Train the requested modes and write JSON, PNG; returns the report."""
+    data = load_corpus(cfg.data_dir, cfg.max_bytes)
+    modes = ["fp32", "bf16", "fp16"] if cfg.mode == "all" else [cfg.mode]
+    results = [train(cfg, m, data, progress) for m in modes]
+    fp32 = next((r for r in results if r["mode"] == "fp32"), None)
+    if fp32 is not None:
+        fp32_res = fp32["residual_bytes"]
+    else:
+        x0, y0 = next(batches(data[0], cfg.batch_size, cfg.seq_len, cfg.seed + 2))
+        params = init_params(jax.random.key(cfg.seed), cfg)
+        fp32_res = jaxamp.saved_residual_bytes(mode_loss("fp32", cfg), params, x0, y0)
+    for r in results:
+        r["residual_bytes_vs_fp32"] = r["residual_bytes"] / fp32_res
+    report = {
+        "config": dataclasses.asdict(cfg),
+        "jax_version": jax.__version__,
+        "device": str(jax.devices()[0].device_kind),
+        "train_bytes": int(len(data[0])),
+        "val_bytes": int(len(data[1])),
+        "unigram_entropy_bits": unigram_entropy_bits(data[0]),
+        "results": results,
+        "table": table(results, fp32_res),
+    }
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "charlm_results.json").write_text(json.dumps(report, indent=1))
+    plot(results, out / "charlm_loss.png")
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--mode", default="all", choices=["all", *MODES])
+    for f in dataclasses.fields(Config):
+        if f.name in ("mode",):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        typ = str if f.name in ("data_dir", "out") else type(f.default)
+        p.add_argument(flag, type=typ, default=f.default)
+    cfg = Config(**vars(p.parse_args(argv)))
+    try:
+        report = run(cfg)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(
+        f"\ntrain {report['train_bytes']} bytes, val {report['val_bytes']} bytes; "
+        f"unigram entropy {report['unigram_entropy_bits']:.3f} bits/char\n"
+    )
+    print(report["table"])
+    for r in report["results"]:
+        print(f"\n--- sample ({r['mode']}) ---\n{r['sample']}")
+    print(f"\nwrote {cfg.out}/charlm_results.json and {cfg.out}/charlm_loss.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

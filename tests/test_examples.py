@@ -1,0 +1,117 @@
+"""End-to-end runs of the examples on tiny settings (the main job must not rot)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+
+import train_charlm  # noqa: E402
+import train_digits  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def standard_promotion():
+    # optax's adamw mixes Python floats with int32 step counts, which strict
+    # promotion rejects; the examples' own code runs under either mode.
+    with jax.numpy_dtype_promotion("standard"):
+        yield
+
+
+@pytest.mark.slow
+def test_charlm_all_modes_end_to_end(tmp_path):
+    cfg = train_charlm.Config(
+        steps=25,
+        batch_size=8,
+        seq_len=32,
+        d_model=32,
+        layers=2,
+        heads=2,
+        warmup=3,
+        max_bytes=200_000,
+        eval_batches=2,
+        sample_chars=16,
+        out=str(tmp_path),
+    )
+    report = train_charlm.run(cfg, progress=False)
+    saved = json.loads((tmp_path / "charlm_results.json").read_text())
+    assert (tmp_path / "charlm_loss.png").stat().st_size > 1000
+    assert [r["mode"] for r in saved["results"]] == ["fp32", "bf16", "fp16"]
+    assert saved["unigram_entropy_bits"] == pytest.approx(
+        report["unigram_entropy_bits"]
+    )
+    for r in saved["results"]:
+        for key in (
+            "final_train_loss",
+            "val_loss",
+            "val_bits_per_char",
+            "tokens_per_s",
+            "skipped_steps",
+            "final_loss_scale",
+            "low_precision_flop_share",
+            "residual_bytes_vs_fp32",
+            "sample",
+        ):
+            assert key in r, key
+        losses = r["losses"]
+        assert len(losses) == 25
+        assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.3  # it learned
+        assert np.isfinite(r["val_loss"])
+        assert len(r["sample"]) > 0
+    fp32, bf16, fp16 = saved["results"]
+    assert fp32["low_precision_flop_share"] == 0.0
+    assert bf16["low_precision_flop_share"] == 1.0
+    assert fp16["low_precision_flop_share"] == 1.0
+    assert bf16["residual_bytes_vs_fp32"] < 0.9  # tiny model: the head dominates
+    assert np.isfinite(fp16["final_loss_scale"]) and fp16["final_loss_scale"] >= 1
+    assert fp32["final_loss_scale"] == 1.0  # static (no-op) scaler
+
+
+def test_charlm_unreadable_data_dir_is_a_one_line_error(tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples" / "train_charlm.py"),
+            "--data-dir",
+            str(tmp_path / "nowhere"),
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: data folder")
+    assert "Traceback" not in proc.stderr
+
+
+def test_charlm_empty_data_dir(tmp_path):
+    with pytest.raises(train_charlm.DataError, match="no readable Python files"):
+        train_charlm.load_corpus(str(tmp_path), 1000)
+
+
+def test_corpus_split_is_deterministic_and_whole_files(tmp_path):
+    for i in range(20):
+        (tmp_path / f"m{i:02d}.py").write_text(f"x = {i}\n")
+    (tmp_path / "test").mkdir()
+    (tmp_path / "test" / "t.py").write_text("excluded = 1\n")
+    train, val = train_charlm.load_corpus(str(tmp_path), 10**6)
+    assert bytes(val) == b"x = 9\nx = 19\n"  # files 9 and 19, whole
+    assert b"excluded" not in bytes(train) + bytes(val)
+    assert train_charlm.unigram_entropy_bits(np.frombuffer(b"abab", np.uint8)) == 1.0
+
+
+@pytest.mark.slow
+def test_digits_learns_in_each_mode():
+    for mode in ("fp32", "bf16", "fp16"):
+        r = train_digits.train(mode, steps=60)
+        assert r["test_accuracy"] > 0.85, r
+        assert np.isfinite(r["loss_scale"])
