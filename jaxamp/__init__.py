@@ -16,6 +16,10 @@ from ._analysis import low_precision_flop_share as low_precision_flop_share
 from ._analysis import matmul_flops_by_dtype as matmul_flops_by_dtype
 from ._analysis import primitive_dtypes as primitive_dtypes
 from ._analysis import saved_residual_bytes as saved_residual_bytes
+from ._fp8 import fp8_amp_policy as fp8_amp_policy
+from ._fp8 import fp8_dot_general as fp8_dot_general
+from ._fp8 import fp8_rule as fp8_rule
+from ._fp8 import quantize as quantize
 from ._higher_order import register_higher_order as register_higher_order
 from ._optax import SkipNonFiniteState as SkipNonFiniteState
 from ._optax import all_finite as all_finite
@@ -68,6 +72,9 @@ __all__ = (
     "dynamic_scale_value_and_grad",
     "follow_compute_precision",
     "force_full_precision",
+    "fp8_amp_policy",
+    "fp8_dot_general",
+    "fp8_rule",
     "get_policy",
     "iter_equations",
     "keep_current_precision",
@@ -75,6 +82,7 @@ __all__ = (
     "matmul_flops_by_dtype",
     "optimizer_update",
     "primitive_dtypes",
+    "quantize",
     "register_higher_order",
     "saved_residual_bytes",
     "select_tree",

@@ -200,3 +200,44 @@ def saved_residuals(fn: Callable, *args: Any, **kwargs: Any) -> list:
     from jax._src.ad_checkpoint import saved_residuals as _saved  # private
 
     return _saved(fn, *args, **kwargs)
+
+
+def dot_general_transpose_lhs(g: Any, lhs: Any, rhs: Any, dimension_numbers) -> Any:
+    """Cotangent of a ``dot_general``'s lhs (float32 result) for cotangent ``g``.
+
+    JAX 0.10 / 0.11: lax's transpose rules are private; same signature in both.
+    """
+    from jax._src.lax import lax as _lax  # private
+
+    return _lax._dot_general_transpose_lhs(
+        g,
+        _Typed(lhs),
+        rhs,
+        dimension_numbers=dimension_numbers,
+        precision=None,
+        preferred_element_type=jax.numpy.float32,
+        out_sharding=None,
+    )
+
+
+def dot_general_transpose_rhs(g: Any, lhs: Any, rhs: Any, dimension_numbers) -> Any:
+    """Cotangent of a ``dot_general``'s rhs (float32 result); see above."""
+    from jax._src.lax import lax as _lax  # private
+
+    return _lax._dot_general_transpose_rhs(
+        g,
+        lhs,
+        _Typed(rhs),
+        dimension_numbers=dimension_numbers,
+        precision=None,
+        preferred_element_type=jax.numpy.float32,
+        out_sharding=None,
+    )
+
+
+class _Typed:
+    """Stands in for the undefined primal of a transpose rule: its float32 aval
+    (the rule casts its result to that dtype)."""
+
+    def __init__(self, x: Any):
+        self.aval = jax.typeof(x).update(dtype=jax.numpy.float32)

@@ -27,7 +27,8 @@ class AmpPolicy:
 
     Keys are primitive objects, primitive names or ``jax.named_scope`` names
     (plus the special keys ``"amp_stop"`` and ``"amp_default"``); values are
-    rules. Lookup order: ``"amp_stop"`` (or an inner amp's region) anywhere on
+    rules, or (for scope keys) nested policies that apply inside the scope.
+    Lookup order: ``"amp_stop"`` (or an inner amp's region) anywhere on
     the scope stack, then as in jaxamp 0.0.4 the outermost scope component
     found in the policy, then the primitive object, then the primitive name,
     then ``"amp_default"``.
@@ -46,7 +47,9 @@ class AmpPolicy:
         by_prim: dict[Any, Rule] = {}
         by_name: dict[str, Rule] = {}
         for key, rule in amp_policy.items():
-            if not callable(rule):
+            if isinstance(rule, Mapping) and isinstance(key, str):
+                rule = AmpPolicy(rule)  # a policy for everything inside a scope
+            elif not callable(rule):
                 raise TypeError(
                     f"amp_policy[{key!r}] must be a rule (a callable with signature "
                     "rule(compute_dtype, original_dtypes, *invars, **params)), got "
@@ -73,14 +76,17 @@ class AmpPolicy:
         """The rule for ``primitive`` under the scope components ``scopes``."""
         if "amp_stop" in scopes or AMP_REGION in scopes:
             return self._stop
-        for scope in scopes:
+        for i, scope in enumerate(scopes):
             rule = self._by_name.get(scope)
+            if isinstance(rule, AmpPolicy):  # nested: look up inside the scope
+                return rule.lookup(primitive, scopes[i + 1 :])
             if rule is not None:
                 return rule
         rule = self._by_prim.get(primitive)
         if rule is not None:
             return rule
-        return self._by_name.get(primitive.name, self._default)
+        rule = self._by_name.get(primitive.name)
+        return self._default if rule is None or isinstance(rule, AmpPolicy) else rule
 
 
 @dataclass(frozen=True, eq=False)
@@ -164,6 +170,8 @@ def _apply_rule(eqn, invals, ctx: AmpContext, scopes) -> Any:
     params = _compat.bind_params(prim, eqn.params)
     original = [v.aval.dtype for v in eqn.invars]
     result = rule(ctx.compute_dtype, original, *invals, **params)
+    if getattr(rule, "amp_impl", False):  # an implementation rule (e.g. FP8)
+        return result
     new_in, new_params = check_rule_result(result, prim, rule, len(invals))
     return _compat.bind(prim, new_in, new_params)
 

@@ -1,0 +1,53 @@
+"""Runs benchmarks/run.py on a tiny size so the benchmark cannot rot."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import run as bench  # noqa: E402
+
+VARIANTS = ["fp32", "jaxamp bf16", "jaxamp fp16", "mpx bf16", "jmp bf16", "hand bf16"]
+
+
+@pytest.mark.slow
+def test_benchmark_tables_and_json(tmp_path, capsys):
+    out = tmp_path / "r.md"
+    args = ["--size", "tiny", "--steps", "2", "--trace-repeats", "1"]
+    args += ["--scaling-layers", "2,4", "--out", str(out)]
+    assert bench.main(args) == 0
+    md = out.read_text()
+    assert md.strip() in capsys.readouterr().out
+    header = next(line for line in md.splitlines() if line.startswith("| variant"))
+    for col in (
+        "low-precision FLOP share",
+        "residual bytes vs fp32",
+        "trace vs fp32",
+        "compile s",
+        "step vs fp32",
+        "converts",
+        "grad rel. L2 err",
+        "loss diff",
+    ):
+        assert col in header
+    data = json.loads(out.with_suffix(".json").read_text())
+    rows = {r["variant"]: r for r in data["rows"]}
+    assert list(rows) == VARIANTS
+    fp32 = rows["fp32"]
+    assert fp32["residual_ratio"] == 1.0 and fp32["grad_rel_l2"] == 0.0
+    for name in VARIANTS[1:]:
+        if "missing" in rows[name]:
+            assert rows[name]["missing"].startswith("missing")
+            continue
+        assert 0 < rows[name]["residual_ratio"] < 1
+        assert rows[name]["grad_rel_l2"] < 0.1
+    assert rows["jaxamp bf16"]["low_precision_flop_share"] == 1.0
+    assert [s["layers"] for s in data["scaling"]] == [2, 4]
+    assert (
+        data["scaling"][1]["forward_equations"]
+        > data["scaling"][0]["forward_equations"]
+    )
