@@ -262,7 +262,7 @@ def train(cfg: Config, mode: str, data: tuple[np.ndarray, np.ndarray], progress=
     eval_loss = jax.jit(loss)
     it = batches(train_data, cfg.batch_size, cfg.seq_len, cfg.seed)
     tokens_per_step = cfg.batch_size * cfg.seq_len
-    losses, t_start, t_steady = [], time.perf_counter(), None
+    losses, t_steady = [], None
     bar = _progress(cfg.steps, mode, progress)
     for i in range(cfg.steps):
         x, y = next(it)
@@ -271,12 +271,11 @@ def train(cfg: Config, mode: str, data: tuple[np.ndarray, np.ndarray], progress=
         if i == 1:
             t_steady = time.perf_counter()  # after compilation and one warm step
         if bar is not None:
-            elapsed = time.perf_counter() - (t_steady or t_start)
-            done = max(i - 1, 1) if t_steady else 1
-            bar.set_postfix(
-                loss=f"{losses[-1]:.3f}",
-                tok_s=f"{done * tokens_per_step / elapsed:.0f}",
-            )
+            postfix = {"loss": f"{losses[-1]:.3f}"}
+            if i >= 2:  # steady state: steps after the compile and warm-up steps
+                rate = (i - 1) * tokens_per_step / (time.perf_counter() - t_steady)
+                postfix["tok_s"] = f"{rate:.0f}"
+            bar.set_postfix(postfix)
             bar.update()
     if bar is not None:
         bar.close()

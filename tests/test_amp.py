@@ -5,7 +5,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.extend.core import jaxprs_in_params
 
 import jaxamp
 
@@ -16,11 +15,8 @@ W = jnp.linspace(-1, 1, 20, dtype=jnp.float32).reshape(4, 5)
 
 
 def eqns(closed):
-    core = getattr(closed, "jaxpr", closed)
-    for e in core.eqns:
-        yield e
-        for sub in jaxprs_in_params(e.params):
-            yield from eqns(sub)
+    """All equations of a jaxpr and of its sub-jaxprs, depth first."""
+    return (e for e, _ in jaxamp.iter_equations(closed))
 
 
 def dots(closed):

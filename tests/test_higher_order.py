@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax.extend.core import Primitive, jaxpr_as_fun, jaxprs_in_params
+from jax.extend.core import Primitive, jaxpr_as_fun
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -19,12 +19,8 @@ BF16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 
 
 def eqns(closed):
-    """All equations of a jaxpr and its sub-jaxprs, depth first."""
-    core = getattr(closed, "jaxpr", closed)
-    for e in core.eqns:
-        yield e
-        for sub in jaxprs_in_params(e.params):
-            yield from eqns(sub)
+    """All equations of a jaxpr and of its sub-jaxprs, depth first."""
+    return (e for e, _ in jaxamp.iter_equations(closed))
 
 
 def dot_dtypes(closed):

@@ -5,7 +5,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.extend.core import jaxprs_in_params
 
 import jaxamp
 from jaxamp._interpreter import AmpPolicy
@@ -14,11 +13,8 @@ BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.flo
 
 
 def eqns(closed):
-    core = getattr(closed, "jaxpr", closed)
-    for e in core.eqns:
-        yield e
-        for sub in jaxprs_in_params(e.params):
-            yield from eqns(sub)
+    """All equations of a jaxpr and of its sub-jaxprs, depth first."""
+    return (e for e, _ in jaxamp.iter_equations(closed))
 
 
 def out_dtype(closed, name):
