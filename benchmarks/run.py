@@ -29,6 +29,7 @@ in the number of equations.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -166,6 +167,25 @@ def _median_time(fn: Callable, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _trace_times(fns: dict[str, Callable], args: tuple, repeats: int) -> dict:
+    """Median time of ``make_jaxpr(value_and_grad(f))`` per function, caches
+    cleared and garbage collected before each, the functions interleaved within
+    each repeat so that drifts of the machine hit all of them alike."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, f in fns.items():
+            jax.clear_caches()
+            gc.collect()
+            gc.disable()
+            try:
+                t0 = time.perf_counter()
+                jax.make_jaxpr(jax.value_and_grad(f))(*args)
+                times[name].append(time.perf_counter() - t0)
+            finally:
+                gc.enable()
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def _rel_l2(g, ref) -> float:
     num = sum(
         float(jnp.sum(jnp.square(a - b)))
@@ -180,17 +200,15 @@ def measure(size: str, steps: int, trace_repeats: int, device: str) -> list[dict
     params, x, y = init(size)
     d, L, T, B, _, V = SIZES[size]
     rows, ref = [], None
-    for name, loss in variants(size).items():
+    found = variants(size)
+    present = {k: v for k, v in found.items() if not isinstance(v, str)}
+    traces = _trace_times(present, (params, x, y), trace_repeats)
+    for name, loss in found.items():
         if isinstance(loss, str):
             rows.append({"variant": name, "missing": loss})
             continue
         vg = jax.value_and_grad(loss)
-
-        def trace(vg=vg):
-            jax.clear_caches()
-            return jax.make_jaxpr(vg)(params, x, y)
-
-        trace_s = _median_time(trace, trace_repeats)
+        trace_s = traces[name]
         closed = jax.make_jaxpr(jax.grad(loss))(params, x, y)
 
         @jax.jit
@@ -261,15 +279,7 @@ def scaling(trace_repeats: int, layer_counts=(4, 16, 64)) -> list[dict]:
         n_eqns = sum(
             1 for _ in jaxamp.iter_equations(jax.make_jaxpr(base)(params, x, y))
         )
-        times = {}
-        for name, f in (("fp32", base), ("amp", amp)):
-            vg = jax.value_and_grad(f)
-
-            def trace(vg=vg):
-                jax.clear_caches()
-                jax.make_jaxpr(vg)(params, x, y)
-
-            times[name] = _median_time(trace, trace_repeats)
+        times = _trace_times({"fp32": base, "amp": amp}, (params, x, y), trace_repeats)
         overhead = times["amp"] - times["fp32"]
         out.append(
             {
