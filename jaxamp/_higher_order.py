@@ -1,13 +1,18 @@
 """Registry: higher-order primitive -> how its sub-jaxprs are rewritten.
 
-The default rule rewrites each sub-jaxpr into one with *identical input and
-output avals* (the casts live inside) and re-binds the same primitive with the
-new jaxpr. Shardings, donation, layouts, scan/while bookkeeping and any
-parameter JAX adds later stay valid, and loop carries keep their traced dtype.
+Sub-jaxprs are rewritten by re-tracing the interpreter over their avals, and
+the same primitive is re-bound with the new jaxpr, so shardings, donation,
+layouts, remat policies and any parameter JAX adds later stay valid. Rewrites
+are cached per (sub-jaxpr, policy, compute dtype, scopes, signature): a jitted
+layer called N times is rewritten once.
 
-``custom_jvp_call`` / ``custom_vjp_call`` rewrite the primal computation *and*
-wrap the user's jvp / fwd / bwd rules so that they still run under
-``jax.grad`` (in mixed precision too), never inlined away.
+* ``jit``/``pjit``/``closed_call``/``remat2``: dtypes flow through, as if the
+  body were inlined (see :func:`_call`).
+* ``scan``: the policy's ``"scan"`` rule chooses the carry dtype.
+* ``while``, ``cond``, ``shard_map``: identical input and output avals.
+* ``custom_jvp_call`` / ``custom_vjp_call``: the primal is rewritten *and* the
+  user's jvp / fwd / bwd rules are wrapped so that they still run under
+  ``jax.grad`` (in mixed precision too), never inlined away.
 
 A primitive with sub-jaxprs that is not registered here (e.g. ``pallas_call``)
 runs unchanged, with its inputs restored to their traced dtypes.
