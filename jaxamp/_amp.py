@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from . import _compat
 from ._dtypes import canonical_dtype
 from ._interpreter import AMP_REGION, AmpContext, AmpPolicy, eval_jaxpr, restore
+from ._policy import cast_to_full_precision
 from ._rules import Rule, cast_cache, default_amp_policy
 
 
@@ -148,8 +149,6 @@ def force_full_precision(fn: Callable) -> Callable:
     Returns:
         The wrapped function.
     """
-    from ._policy import cast_to_full_precision
-
     if not callable(fn):
         raise TypeError(
             f"force_full_precision(fn): fn must be callable, got {type(fn).__name__}."

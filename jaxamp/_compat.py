@@ -176,11 +176,6 @@ def convert(x: Any, dtype: Any, weak_type: bool = False) -> Any:
     return _lax._convert_element_type(x, dtype, weak_type=True)
 
 
-def aval_of(x: Any) -> Any:
-    """The abstract value of an array, tracer or Python scalar."""
-    return jax.typeof(x)
-
-
 def scan_carry_range(params: dict) -> tuple[int, int]:
     """``(num_consts, num_carry)`` of a ``scan`` equation.
 
