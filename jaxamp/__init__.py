@@ -18,6 +18,7 @@ from ._analysis import primitive_dtypes as primitive_dtypes
 from ._analysis import saved_residual_bytes as saved_residual_bytes
 from ._fp8 import fp8_amp_policy as fp8_amp_policy
 from ._fp8 import fp8_dot_general as fp8_dot_general
+from ._fp8 import fp8_policy as fp8_policy
 from ._fp8 import fp8_rule as fp8_rule
 from ._fp8 import quantize as quantize
 from ._higher_order import register_higher_order as register_higher_order
@@ -74,6 +75,7 @@ __all__ = (
     "force_full_precision",
     "fp8_amp_policy",
     "fp8_dot_general",
+    "fp8_policy",
     "fp8_rule",
     "get_policy",
     "iter_equations",
