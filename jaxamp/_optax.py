@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from ._dtypes import widest
+
 PyTree = Any
 
 
@@ -142,12 +144,32 @@ def optimizer_update(
 
     Returns:
         ``(new_model, new_opt_state)``; both unchanged if ``grads_finite`` is
-        False.
+        False. Each parameter keeps its dtype (``p + u`` is computed in the wider
+        of the two dtypes, as ``optax.apply_updates``).
+
+    Raises:
+        TypeError: if ``optimizer`` is not an optax GradientTransformation.
     """
-    params = eqx.filter(model, eqx.is_array)
+    if not isinstance(optimizer, optax.GradientTransformation):
+        raise TypeError(
+            "optimizer_update: optimizer must be an optax GradientTransformation "
+            f"(e.g. optax.adam(1e-3)), got {type(optimizer).__name__}."
+        )
+    params, static = eqx.partition(model, eqx.is_array)
     updates, new_state = optimizer.update(grads, opt_state, params)
-    new_model = eqx.apply_updates(model, updates)
+    new_params = jax.tree_util.tree_map(
+        _apply_update, params, updates, is_leaf=lambda x: x is None
+    )
     return (
-        select_tree(grads_finite, new_model, model),
+        eqx.combine(select_tree(grads_finite, new_params, params), static),
         select_tree(grads_finite, new_state, opt_state),
     )
+
+
+def _apply_update(p: Any, u: Any) -> Any:
+    """``p + u`` computed in the wider dtype and stored in ``p``'s dtype (float32
+    updates of float16 parameters; strict-promotion safe), as optax does."""
+    if p is None or u is None:
+        return p
+    dt = widest([p.dtype, u.dtype]) or p.dtype
+    return (p.astype(dt) + u.astype(dt)).astype(p.dtype)

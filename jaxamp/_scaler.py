@@ -5,8 +5,8 @@ Precision Training" (https://arxiv.org/abs/1710.03740), as in NVIDIA's
 "Training with mixed precision" guide and PyTorch's ``torch.amp.GradScaler``:
 multiply the loss by a scale before differentiating, divide the gradients by
 the *same* scale, and when they are not finite shrink the scale (and skip the
-step); after ``patience`` finite steps grow it again. Names and defaults follow
-jaxamp 0.0.4.
+step); after ``patience`` finite steps grow it again. Names, defaults and the
+update rule follow jaxamp 0.0.4 (github acutkosky/jaxamp).
 
 Saving a state: every field is a pytree leaf, so
 ``numpy.savez(path, **state._asdict())`` and
@@ -16,6 +16,7 @@ Saving a state: every field is a pytree leaf, so
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from numbers import Number
 from typing import Any, NamedTuple
@@ -28,9 +29,50 @@ import numpy as np
 from ._dtypes import widest
 from ._optax import all_finite
 
+PyTree = Any
+
 
 def _concrete(x: Any) -> bool:
-    return isinstance(x, (Number, np.ndarray, np.generic)) and not isinstance(x, bool)
+    """A Python or NumPy number (not a tracer, sentinel, None or bool)."""
+    if isinstance(x, (bool, np.bool_)):
+        return False
+    if isinstance(x, Number):
+        return True
+    return isinstance(x, (np.ndarray, np.generic)) and np.issubdtype(
+        np.asarray(x).dtype, np.number
+    )
+
+
+def _validate(owner: str, name: str, value: Any, ok: Callable, msg: str) -> None:
+    if _concrete(value):
+        if np.ndim(value) != 0:
+            raise ValueError(
+                f"{owner}: {name} must be a scalar, got shape {np.shape(value)}."
+            )
+        if not ok(float(value)):
+            raise ValueError(f"{owner}: {name}={value} {msg}.")
+
+
+def _as(dtype: Any) -> Callable[[Any], Any]:
+    return lambda v: jnp.asarray(v, dtype) if _concrete(v) else v
+
+
+def _register(cls: type) -> type:
+    """Register a NamedTuple subclass as a pytree whose unflatten skips ``__new__``.
+
+    jax rebuilds a plain NamedTuple by calling the class, so validation in
+    ``__new__`` would run on whatever jax or the user puts in the leaves
+    (``tree_map(lambda _: 0, state)`` for ``in_axes``, ``object()`` sentinels,
+    tracers). Validation belongs to construction by the user only.
+    """
+    keys = tuple(jax.tree_util.GetAttrKey(name) for name in cls._fields)
+    jax.tree_util.register_pytree_with_keys(
+        cls,
+        lambda s: (tuple(zip(keys, s)), None),
+        lambda _, children: cls._make(children),
+        flatten_func=lambda s: (tuple(s), None),
+    )
+    return cls
 
 
 class _DynamicFields(NamedTuple):
@@ -43,59 +85,83 @@ class _DynamicFields(NamedTuple):
     max_scaler: Any = 2.0**24
 
 
+@_register
 class DynamicScalerState(_DynamicFields):
-    """State of dynamic loss scaling (a NamedTuple pytree; jaxamp 0.0.4 fields).
+    """State of dynamic loss scaling: a NamedTuple pytree, jaxamp 0.0.4 fields.
 
-    Python numbers are converted to arrays (``scaler``, ``adjust_factor``,
-    bounds: float32; counters: int32) and validated.
+    Python and NumPy numbers are validated and converted to scalar arrays
+    (``scaler``, ``adjust_factor`` and the bounds: float32; ``patience`` and the
+    counters: int32), so the state has the same avals before and after a jitted
+    step (no recompilation). Every field is a pytree leaf: the bounds survive
+    ``jax.jit``, ``jax.tree_util.tree_map`` and checkpointing (jmp's
+    ``DynamicLossScale`` drops its ``min_loss_scale`` there). Rebuilding the state
+    from leaves (what jax does) skips validation, so ``tree_map(lambda _: 0,
+    state)`` is a valid ``in_axes`` tree.
+
+    Update rule (:meth:`adjust`, as jaxamp 0.0.4, with bounds): on non-finite
+    gradients ``scaler = max(scaler / adjust_factor, min_scaler)``, ``count = 0``,
+    ``total_resets += 1``; on finite gradients, if ``count >= patience`` then
+    ``scaler = min(scaler * adjust_factor, max_scaler)`` and ``count = 0``, else
+    ``count += 1``. So after ``patience`` consecutive finite steps the next finite
+    step grows the scale.
+
+    Save and load::
+
+        numpy.savez(path, **state._asdict())
+        state = DynamicScalerState(**numpy.load(path))
 
     Attributes:
-        patience: number of consecutive finite steps before the scale grows.
-        adjust_factor: factor the scale is multiplied / divided by (> 1).
-        scaler: the current loss scale, float32 (default 2**15).
-        count: finite steps since the last adjustment, int32.
-        total_resets: number of times non-finite gradients shrank the scale.
-        min_scaler: lower bound of the scale (default 1.0).
-        max_scaler: upper bound of the scale (default 2**24).
+        patience: int32 scalar; finite steps counted before the scale grows
+            (default 2000).
+        adjust_factor: float32 scalar > 1; the scale is multiplied / divided by
+            it (default 2.0).
+        scaler: float32 scalar; the current loss scale (default 2**15).
+        count: int32 scalar; finite steps since the scale last changed.
+        total_resets: int32 scalar; how many times non-finite gradients shrank
+            the scale.
+        min_scaler: float32 scalar; lower bound of the scale (default 1.0, as
+            jmp; jaxamp 0.0.4 had none).
+        max_scaler: float32 scalar; upper bound of the scale (default 2**24).
 
     Raises:
-        ValueError: for a non-positive ``scaler`` or bound, ``adjust_factor <= 1``,
-            ``patience < 1`` or ``min_scaler > max_scaler`` given as numbers.
+        ValueError: when built from numbers with ``scaler``, ``min_scaler`` or
+            ``max_scaler`` <= 0, ``adjust_factor <= 1``, ``patience < 0``,
+            ``count`` or ``total_resets`` < 0, ``min_scaler > max_scaler``, or a
+            non-scalar field.
     """
 
     __slots__ = ()
 
     def __new__(
         cls,
-        patience=2000,
-        adjust_factor=2.0,
-        scaler=2.0**15,
-        count=0,
-        total_resets=0,
-        min_scaler=1.0,
-        max_scaler=2.0**24,
-    ):
-        checks = [
-            ("scaler", scaler, lambda v: v > 0, "must be > 0"),
-            ("min_scaler", min_scaler, lambda v: v > 0, "must be > 0"),
-            ("max_scaler", max_scaler, lambda v: v > 0, "must be > 0"),
-            ("adjust_factor", adjust_factor, lambda v: v > 1, "must be > 1"),
-            ("patience", patience, lambda v: v >= 1, "must be >= 1"),
-        ]
-        for name, val, ok, msg in checks:
-            if _concrete(val) and np.ndim(val) == 0 and not ok(float(val)):
-                raise ValueError(f"DynamicScalerState: {name}={val} {msg}.")
+        patience: Any = 2000,
+        adjust_factor: Any = 2.0,
+        scaler: Any = 2.0**15,
+        count: Any = 0,
+        total_resets: Any = 0,
+        min_scaler: Any = 1.0,
+        max_scaler: Any = 2.0**24,
+    ) -> DynamicScalerState:
+        own = "DynamicScalerState"
+        positive = (lambda v: v > 0, "must be > 0")
+        non_negative = (lambda v: v >= 0, "must be >= 0")
+        _validate(own, "scaler", scaler, *positive)
+        _validate(own, "min_scaler", min_scaler, *positive)
+        _validate(own, "max_scaler", max_scaler, *positive)
+        _validate(own, "adjust_factor", adjust_factor, lambda v: v > 1, "must be > 1")
+        _validate(own, "patience", patience, *non_negative)
+        _validate(own, "count", count, *non_negative)
+        _validate(own, "total_resets", total_resets, *non_negative)
         if (
             _concrete(min_scaler)
             and _concrete(max_scaler)
             and float(min_scaler) > float(max_scaler)
         ):
             raise ValueError(
-                f"DynamicScalerState: min_scaler={min_scaler} > "
-                f"max_scaler={max_scaler}."
+                f"{own}: min_scaler={min_scaler} > max_scaler={max_scaler}; "
+                "pass min_scaler <= max_scaler."
             )
-        f32 = lambda v: jnp.asarray(v, jnp.float32) if _concrete(v) else v
-        i32 = lambda v: jnp.asarray(v, jnp.int32) if _concrete(v) else v
+        f32, i32 = _as(jnp.float32), _as(jnp.int32)
         return super().__new__(
             cls,
             i32(patience),
@@ -108,44 +174,108 @@ class DynamicScalerState(_DynamicFields):
         )
 
     def adjust(self, grads_finite: Any) -> DynamicScalerState:
-        """The next state after a step whose gradients were (not) finite."""
-        finite = jnp.asarray(grads_finite)
-        down = jnp.maximum(self.scaler / self.adjust_factor, self.min_scaler)
-        count = jnp.where(finite, self.count + 1, 0)
-        grow = finite & (count >= self.patience)
+        """The state after a step whose gradients were (not) finite.
+
+        Args:
+            grads_finite: scalar bool (array or Python bool), e.g. from
+                :func:`jaxamp.all_finite`.
+
+        Returns:
+            The next :class:`DynamicScalerState` (see the class docstring).
+        """
+        finite = jnp.asarray(grads_finite, bool)
+        grow = finite & (self.count >= self.patience)
         up = jnp.minimum(self.scaler * self.adjust_factor, self.max_scaler)
+        down = jnp.maximum(self.scaler / self.adjust_factor, self.min_scaler)
         scaler = jnp.where(finite, jnp.where(grow, up, self.scaler), down)
+        count = jnp.where(finite & ~grow, self.count + 1, 0)
         return self._replace(
-            scaler=scaler.astype(jnp.float32),
-            count=jnp.where(grow, 0, count).astype(jnp.int32),
-            total_resets=(self.total_resets + (~finite).astype(jnp.int32)),
+            scaler=jnp.asarray(scaler, jnp.float32),
+            count=jnp.asarray(count, jnp.int32),
+            total_resets=jnp.asarray(
+                self.total_resets + jnp.asarray(~finite, jnp.int32), jnp.int32
+            ),
         )
 
+    def scale(self, tree: PyTree) -> PyTree:
+        """Multiply every float leaf of ``tree`` (e.g. the loss) by the scale,
+        in the leaf's own dtype."""
+        return _scale(tree, self.scaler)
 
-class StaticScalerState(NamedTuple):
-    """A fixed loss scale (1.0: no scaling, the bfloat16 case).
+    def unscale(self, tree: PyTree) -> PyTree:
+        """Divide every float leaf of ``tree`` (e.g. gradients) by the scale, in
+        float32 or the leaf's dtype if wider."""
+        return _unscale(tree, self.scaler)
 
-    Used with the same ``dynamic_scale_*`` call shape as
-    :class:`DynamicScalerState`, so switching float16 <-> bfloat16 is one line.
+    def _canonical(self) -> DynamicScalerState:
+        f32 = lambda v: jnp.asarray(v, jnp.float32)
+        i32 = lambda v: jnp.asarray(v, jnp.int32)
+        casts = (i32, f32, f32, i32, i32, f32, f32)
+        return self._make(c(v) for c, v in zip(casts, self))
 
-    Attributes:
-        scaler: the fixed loss scale (float32).
-    """
 
+class _StaticFields(NamedTuple):
     scaler: Any = 1.0
 
+
+@_register
+class StaticScalerState(_StaticFields):
+    """A fixed loss scale; the default 1.0 is no scaling (the bfloat16 case).
+
+    Used with the same ``dynamic_scale_*`` call shape as
+    :class:`DynamicScalerState`, so a script switches between float16 (dynamic)
+    and bfloat16 (static) by changing one line. :meth:`adjust` returns the state
+    unchanged. Save and load as :class:`DynamicScalerState`.
+
+    Attributes:
+        scaler: float32 scalar; the fixed loss scale (default 1.0).
+
+    Raises:
+        ValueError: when built from a number with ``scaler <= 0``.
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, scaler: Any = 1.0) -> StaticScalerState:
+        _validate("StaticScalerState", "scaler", scaler, lambda v: v > 0, "must be > 0")
+        return super().__new__(cls, _as(jnp.float32)(scaler))
+
     def adjust(self, grads_finite: Any) -> StaticScalerState:
-        """Unchanged: a static scale never adjusts."""
+        """The same state: a static scale never adjusts."""
         del grads_finite
         return self
+
+    def scale(self, tree: PyTree) -> PyTree:
+        """Multiply every float leaf of ``tree`` by the scale, in its own dtype."""
+        return _scale(tree, self.scaler)
+
+    def unscale(self, tree: PyTree) -> PyTree:
+        """Divide every float leaf of ``tree`` by the scale, in float32 or wider."""
+        return _unscale(tree, self.scaler)
+
+    def _canonical(self) -> StaticScalerState:
+        return self._make([jnp.asarray(self.scaler, jnp.float32)])
 
 
 ScalerState = DynamicScalerState | StaticScalerState
 
 
-def _unscale(tree: Any, scale: jax.Array) -> Any:
+def _is_float_array(x: Any) -> bool:
+    return eqx.is_array(x) and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def _scale(tree: PyTree, scale: Any) -> PyTree:
+    scale = jnp.asarray(scale, jnp.float32)
+    return jax.tree_util.tree_map(
+        lambda x: x * scale.astype(x.dtype) if _is_float_array(x) else x, tree
+    )
+
+
+def _unscale(tree: PyTree, scale: Any) -> PyTree:
+    scale = jnp.asarray(scale, jnp.float32)
+
     def leaf(x):
-        if eqx.is_array(x) and jnp.issubdtype(x.dtype, jnp.floating):
+        if _is_float_array(x):
             dt = widest([x.dtype, jnp.float32])
             return x.astype(dt) / scale.astype(dt)
         return x
@@ -153,95 +283,162 @@ def _unscale(tree: Any, scale: jax.Array) -> Any:
     return jax.tree_util.tree_map(leaf, tree)
 
 
+# Where the gradients and the loss sit in a transform's results.
+_KNOWN_HAS_VALUE = {
+    jax.grad: False,
+    eqx.filter_grad: False,
+    jax.value_and_grad: True,
+    eqx.filter_value_and_grad: True,
+}
+
+
+def _has_aux(transform: Callable, fun: Callable, args: tuple, kwargs: dict) -> bool:
+    try:
+        bound = inspect.signature(transform).bind_partial(fun, *args, **kwargs)
+    except (TypeError, ValueError):
+        return bool(kwargs.get("has_aux", False))
+    return bool(bound.arguments.get("has_aux", False))
+
+
 def dynamic_scale_tx(
     transform: Callable,
-    *,
-    has_aux: bool = False,
-    has_value: bool = False,
     redo_on_nan: int = 0,
-    **transform_kwargs: Any,
-) -> Callable[[Callable], Callable]:
-    """Add loss scaling to a gradient transformation (``jax.grad``-like).
+    unscale_fn: Callable | None = None,
+    scale_fn: Callable | None = None,
+    *,
+    has_value: bool | None = None,
+) -> Callable:
+    """Add loss scaling to a gradient transformation (jaxamp 0.0.4's call shape).
+
+    ``dynamic_scale_tx(jax.value_and_grad)(fun, has_aux=True, argnums=1)`` is
+    ``jax.value_and_grad(fun, has_aux=True, argnums=1)`` with loss scaling: it
+    returns ``g(*args, dynamic_scaler_state, **kwargs) -> (new_state, results)``.
+    ``fun``'s loss (a float scalar of any dtype) is multiplied by the scale in its
+    own dtype; the gradients (and the value) in ``results`` are divided by the
+    scale that produced them, in float32 or the primal dtype if wider; then the
+    state adjusts to whether the gradients are finite. Algorithm: Micikevicius et
+    al. 2018, "Mixed Precision Training", section 3.2.
 
     Args:
         transform: ``jax.grad``, ``jax.value_and_grad``, ``eqx.filter_grad``,
-            ``eqx.filter_value_and_grad`` or any function with their signature
-            ``transform(fun, has_aux=..., **transform_kwargs)``.
-        has_aux: whether ``fun`` returns ``(loss, aux)``.
-        has_value: whether ``transform`` returns the value too
-            (``value_and_grad``).
-        redo_on_nan: recompute up to this many times, each with the scale
-            divided by ``adjust_factor``, inside the same (jitted) call, when the
-            gradients are not finite.
-        **transform_kwargs: forwarded to ``transform`` (e.g. ``argnums``).
+            ``eqx.filter_value_and_grad`` or another function with the signature
+            ``transform(fun, *args, has_aux=..., **kwargs)`` whose results are
+            either all linear in the loss or shaped like those.
+        redo_on_nan: int >= 0. When the gradients are not finite, shrink the scale
+            (counted in ``total_resets``) and recompute, up to this many times,
+            inside the same call (a ``lax.while_loop``; it stops early once the
+            scale is at ``min_scaler``). The body is compiled a second time for
+            the loop. Ignored for a :class:`StaticScalerState`.
+        unscale_fn: optional ``unscale_fn(results, state) -> results`` replacing
+            the default unscaling (jaxamp 0.0.4).
+        scale_fn: optional ``scale_fn(fun_output, state) -> fun_output`` replacing
+            the default scaling of the loss (jaxamp 0.0.4).
+        has_value: whether ``transform`` returns ``(value, grads)``; found
+            automatically for the four transforms above. Needed for another
+            transform only with ``has_aux=True``.
 
     Returns:
-        A decorator: ``dynamic_scale_tx(jax.grad)(fun)`` is a function
-        ``g(*args, dynamic_scaler_state, **kwargs) -> (new_state, results)``
-        where ``results`` has ``transform(fun)``'s structure, with gradients
-        and value unscaled (in float32, or the primal dtype if wider) by the
-        scale that produced them. ``fun`` must return a scalar loss.
+        ``scaled_transform(fun, *args, **kwargs)``, which forwards ``args`` and
+        ``kwargs`` to ``transform`` and returns ``g`` above. ``g`` takes
+        ``dynamic_scaler_state`` (a :class:`DynamicScalerState` or
+        :class:`StaticScalerState`) by keyword only.
 
     Raises:
-        TypeError: if ``dynamic_scaler_state`` is passed positionally or missing.
-        ValueError: if ``redo_on_nan`` is negative.
+        ValueError: if ``redo_on_nan`` is not an int >= 0, or an unknown
+            transform is used with ``has_aux=True`` and no ``has_value``.
+        TypeError: (from ``g``) if ``dynamic_scaler_state`` is passed positionally,
+            missing, or not a scaler state.
     """
-    if not isinstance(redo_on_nan, (int, np.integer)) or redo_on_nan < 0:
-        raise ValueError(f"redo_on_nan must be an int >= 0, got {redo_on_nan!r}.")
+    if (
+        isinstance(redo_on_nan, bool)
+        or not isinstance(redo_on_nan, (int, np.integer))
+        or redo_on_nan < 0
+    ):
+        raise ValueError(
+            f"redo_on_nan must be an int >= 0 (recomputations per call), got "
+            f"{redo_on_nan!r}."
+        )
+    redo_on_nan = int(redo_on_nan)
+    if has_value is None:
+        has_value = _KNOWN_HAS_VALUE.get(transform)
 
-    def decorator(fun: Callable) -> Callable:
+    def scaled_transform(fun: Callable, *t_args: Any, **t_kwargs: Any) -> Callable:
+        has_aux = _has_aux(transform, fun, t_args, t_kwargs)
+        if has_aux and has_value is None and unscale_fn is None:
+            raise ValueError(
+                f"dynamic_scale_tx({getattr(transform, '__name__', transform)}): "
+                "with has_aux=True pass has_value=True (the transform returns "
+                "((value, aux), grads)) or has_value=False (it returns "
+                "(grads, aux)), or an unscale_fn."
+            )
+
+        def grads_of(results):
+            if has_value is None:  # no aux: every float leaf is scaled
+                return results
+            if has_value:
+                return results[1]
+            return results[0] if has_aux else results
+
+        def default_scale(out, state):
+            if has_aux:
+                loss, aux = out
+                return _scale(loss, state.scaler), aux
+            return _scale(out, state.scaler)
+
+        def default_unscale(results, state):
+            if has_value is None or not has_aux:
+                return _unscale(results, state.scaler)
+            if has_value:
+                (value, aux), grads = results
+                return (_unscale(value, state.scaler), aux), _unscale(
+                    grads, state.scaler
+                )
+            grads, aux = results
+            return _unscale(grads, state.scaler), aux
+
+        do_scale = scale_fn or default_scale
+        do_unscale = unscale_fn or default_unscale
+
+        def scaled_fun(*args, _jaxamp_scaler_state, **kwargs):
+            return do_scale(fun(*args, **kwargs), _jaxamp_scaler_state)
+
+        transformed = transform(scaled_fun, *t_args, **t_kwargs)
+
+        def attempt(state, args, kwargs):
+            results = transformed(*args, _jaxamp_scaler_state=state, **kwargs)
+            results = do_unscale(results, state)
+            return results, all_finite(grads_of(results))
+
         @functools.wraps(fun)
         def scaled_call(*args, dynamic_scaler_state=None, **kwargs):
-            state = _check_state(args, dynamic_scaler_state)
-
-            def attempt(st):
-                scale = jnp.asarray(st.scaler, jnp.float32)
-
-                def scaled_fun(*a, **kw):
-                    out = fun(*a, **kw)
-                    loss, aux = out if has_aux else (out, None)
-                    loss = loss * scale.astype(loss.dtype)
-                    return (loss, aux) if has_aux else loss
-
-                res = transform(scaled_fun, has_aux=has_aux, **transform_kwargs)(
-                    *args, **kwargs
-                )
-                if has_value:
-                    value, grads = res
-                    if has_aux:
-                        value = (_unscale(value[0], scale), value[1])
-                    else:
-                        value = _unscale(value, scale)
-                    grads = _unscale(grads, scale)
-                    return (value, grads), all_finite(grads)
-                if has_aux:
-                    grads, aux = res
-                    grads = _unscale(grads, scale)
-                    return (grads, aux), all_finite(grads)
-                grads = _unscale(res, scale)
-                return grads, all_finite(grads)
-
-            results, finite = attempt(state)
+            state = _check_state(args, dynamic_scaler_state)._canonical()
+            results, finite = attempt(state, args, kwargs)
             if redo_on_nan and isinstance(state, DynamicScalerState):
+                dynamic, static = eqx.partition(results, eqx.is_array)
 
                 def cond(carry):
-                    _, _, fin, i = carry
-                    return (~fin) & (i < redo_on_nan)
+                    st, _, fin, i = carry
+                    return ~fin & (i < redo_on_nan) & (st.scaler > st.min_scaler)
 
                 def body(carry):
-                    st, _, fin, i = carry
-                    st = st.adjust(fin)
-                    res, fin = attempt(st)
-                    return st, res, fin, i + 1
+                    st, _, _, i = carry
+                    st = st.adjust(False)
+                    res, fin = attempt(st, args, kwargs)
+                    return st, eqx.filter(res, eqx.is_array), fin, i + 1
 
-                state, results, finite, _ = jax.lax.while_loop(
-                    cond, body, (state, results, finite, jnp.asarray(0))
+                state, dynamic, finite, _ = jax.lax.while_loop(
+                    cond, body, (state, dynamic, finite, jnp.asarray(0, jnp.int32))
                 )
+                results = eqx.combine(dynamic, static)
             return state.adjust(finite), results
 
+        # Keep fun's name and docstring but not its signature (no __wrapped__):
+        # eqx.filter_jit binds arguments to the signature, which must accept
+        # dynamic_scaler_state.
+        del scaled_call.__wrapped__
         return scaled_call
 
-    return decorator
+    return scaled_transform
 
 
 def _check_state(args: tuple, state: Any) -> ScalerState:
@@ -249,26 +446,27 @@ def _check_state(args: tuple, state: Any) -> ScalerState:
         if any(isinstance(a, (DynamicScalerState, StaticScalerState)) for a in args):
             raise TypeError(
                 "dynamic_scaler_state was passed positionally; pass it by keyword: "
-                "f(*args, dynamic_scaler_state=state)."
+                "g(*args, dynamic_scaler_state=state)."
             )
         raise TypeError(
-            "missing keyword argument dynamic_scaler_state (a DynamicScalerState "
-            "or StaticScalerState)."
+            "missing keyword argument dynamic_scaler_state: call "
+            "g(*args, dynamic_scaler_state=jaxamp.DynamicScalerState()) "
+            "(or jaxamp.StaticScalerState() for no loss scaling)."
         )
     if not isinstance(state, (DynamicScalerState, StaticScalerState)):
         raise TypeError(
-            "dynamic_scaler_state must be a DynamicScalerState or StaticScalerState, "
-            f"got {type(state).__name__}."
+            "dynamic_scaler_state must be a jaxamp.DynamicScalerState or "
+            f"jaxamp.StaticScalerState, got {type(state).__name__}."
         )
     return state
 
 
 def _transform(grad: bool, filter: bool, argnums: Any) -> tuple[Callable, dict]:
     if filter:
-        if argnums != 0:
+        if not (isinstance(argnums, int) and argnums == 0):
             raise ValueError(
-                "argnums is only supported with filter=False; Equinox's filter "
-                "transformations differentiate the first argument."
+                f"argnums={argnums!r} needs filter=False: Equinox's filter "
+                "transformations differentiate the first argument only."
             )
         return (eqx.filter_grad if grad else eqx.filter_value_and_grad), {}
     return (jax.grad if grad else jax.value_and_grad), {"argnums": argnums}
@@ -280,28 +478,41 @@ def dynamic_scale_grad(
     has_aux: bool = False,
     redo_on_nan: int = 0,
     filter: bool = True,
-    argnums: Any = 0,
+    argnums: int | tuple[int, ...] = 0,
+    **kwargs: Any,
 ) -> Callable:
-    """``grad`` with loss scaling (jaxamp 0.0.4's name).
+    """``grad`` with dynamic loss scaling (jaxamp 0.0.4's name and call shape).
+
+    Example::
+
+        grad_fn = jax.jit(jaxamp.dynamic_scale_grad(amp_loss))
+        state, grads = grad_fn(model, x, y, dynamic_scaler_state=state)
 
     Args:
-        fun: scalar loss function (float16 under ``amp``, any float dtype).
-        has_aux: ``fun`` returns ``(loss, aux)``.
-        redo_on_nan: see :func:`dynamic_scale_tx`.
-        filter: True uses ``eqx.filter_grad`` (first argument, array leaves);
-            False uses ``jax.grad`` with ``argnums``.
-        argnums: as in ``jax.grad`` (``filter=False`` only).
+        fun: the loss function; returns a float scalar of any dtype (float16
+            under ``amp``), or ``(loss, aux)`` with ``has_aux=True``.
+        has_aux: as in ``jax.grad``.
+        redo_on_nan: int >= 0; see :func:`dynamic_scale_tx`.
+        filter: True differentiates with ``eqx.filter_grad`` (the inexact array
+            leaves of the first argument); False with ``jax.grad``.
+        argnums: as in ``jax.grad``; ``filter=False`` only.
+        **kwargs: forwarded to ``jax.grad`` (e.g. ``allow_int``).
 
     Returns:
-        ``g(*args, dynamic_scaler_state, **kwargs) -> (new_state, grads)`` (or
-        ``(new_state, (grads, aux))``), gradients unscaled in float32.
+        ``g(*args, dynamic_scaler_state, **kwargs) -> (new_state, grads)``, or
+        ``(new_state, (grads, aux))`` with ``has_aux``. Gradients are unscaled by
+        the scale that produced them, in float32 (or the primal dtype if
+        wider); ``new_state`` has the type of ``dynamic_scaler_state``.
 
     Raises:
-        TypeError: on a positional or missing ``dynamic_scaler_state``.
+        ValueError: ``argnums`` other than 0 with ``filter=True``; a bad
+            ``redo_on_nan``.
+        TypeError: (from ``g``) a positional, missing or wrong-typed
+            ``dynamic_scaler_state``.
     """
     transform, kw = _transform(True, filter, argnums)
-    return dynamic_scale_tx(transform, has_aux=has_aux, redo_on_nan=redo_on_nan, **kw)(
-        fun
+    return dynamic_scale_tx(transform, redo_on_nan=redo_on_nan)(
+        fun, has_aux=has_aux, **kw, **kwargs
     )
 
 
@@ -311,18 +522,32 @@ def dynamic_scale_value_and_grad(
     has_aux: bool = False,
     redo_on_nan: int = 0,
     filter: bool = True,
-    argnums: Any = 0,
+    argnums: int | tuple[int, ...] = 0,
+    **kwargs: Any,
 ) -> Callable:
-    """``value_and_grad`` with loss scaling (jaxamp 0.0.4's name).
+    """``value_and_grad`` with dynamic loss scaling (jaxamp 0.0.4's name).
+
+    Example::
+
+        vg = jax.jit(jaxamp.dynamic_scale_value_and_grad(amp_loss, filter=False))
+        state, (loss, grads) = vg(params, x, y, dynamic_scaler_state=state)
+
+    Args:
+        fun, has_aux, redo_on_nan, filter, argnums, kwargs: as in
+            :func:`dynamic_scale_grad` (``jax.value_and_grad`` /
+            ``eqx.filter_value_and_grad``). ``redo_on_nan`` defaults to 0 here
+            too (jaxamp 0.0.4 used 10 here, 0 in its README).
 
     Returns:
-        ``g(*args, dynamic_scaler_state, **kwargs) -> (new_state, (value, grads))``
-        (``((value, aux), grads)`` with ``has_aux``); value and gradients
-        unscaled by the scale that produced them, in float32.
+        ``g(*args, dynamic_scaler_state, **kwargs) -> (new_state, (value,
+        grads))``, or ``(new_state, ((value, aux), grads))`` with ``has_aux``.
+        The value (the true, unscaled loss) and the gradients are divided by the
+        scale that produced them, in float32 (or wider).
 
-    See :func:`dynamic_scale_grad` for the arguments and errors.
+    Raises:
+        ValueError, TypeError: as :func:`dynamic_scale_grad`.
     """
     transform, kw = _transform(False, filter, argnums)
-    return dynamic_scale_tx(
-        transform, has_aux=has_aux, has_value=True, redo_on_nan=redo_on_nan, **kw
-    )(fun)
+    return dynamic_scale_tx(transform, redo_on_nan=redo_on_nan)(
+        fun, has_aux=has_aux, **kw, **kwargs
+    )

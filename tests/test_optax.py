@@ -44,27 +44,77 @@ def _tree_equal(a, b):
     )
 
 
-@pytest.mark.parametrize("make", [optax.adam, optax.sgd, optax.adamw])
-def test_skip_nonfinite_updates(make):
+OPTIMIZERS = {
+    "sgd": lambda: optax.sgd(0.1),
+    "momentum": lambda: optax.sgd(0.1, momentum=0.9),
+    "adam": lambda: optax.adam(0.1),
+    "adamw": lambda: optax.adamw(0.1),
+    "chain": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adam(0.1)),
+    "inject": lambda: optax.inject_hyperparams(optax.adam)(learning_rate=0.1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_skip_nonfinite_updates(name):
+    make = OPTIMIZERS[name]
     params = {"w": jnp.arange(3.0), "b": jnp.ones(())}
-    opt = jaxamp.skip_nonfinite_updates(make(0.1))
+    opt = jaxamp.skip_nonfinite_updates(make())
+
+    @jax.jit
+    def step(params, state, grads):
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, updates
+
+    good1 = {"w": jnp.ones(3), "b": jnp.ones(())}
+    good2 = {"w": jnp.array([0.5, -1.0, 2.0]), "b": -jnp.ones(())}
+    bad = [
+        {"w": jnp.array([1.0, jnp.inf, 1.0]), "b": jnp.ones(())},
+        {"w": jnp.ones(3), "b": jnp.asarray(jnp.nan)},
+    ]
+
     state = opt.init(params)
-    update = jax.jit(opt.update)
-    good = {"w": jnp.ones(3), "b": jnp.ones(())}
-    bad = {"w": jnp.array([1.0, jnp.inf, 1.0]), "b": jnp.ones(())}
+    p1, s1, _ = step(params, state, good1)
+    assert not _tree_equal(p1, params)
+    for i, g in enumerate(bad):  # injected inf, then NaN: nothing changes
+        p2, s2, updates = step(p1, s1, g)
+        assert _tree_equal(updates, jax.tree_util.tree_map(jnp.zeros_like, params))
+        assert _tree_equal(p2, p1) and _tree_equal(s2.inner_state, s1.inner_state)
+        assert int(s2.skipped_steps) == i + 1 and not bool(s2.last_finite)
+        p1, s1 = p2, s2
+    p3, s3, _ = step(p1, s1, good2)
+    assert int(s3.skipped_steps) == 2 and bool(s3.last_finite)
 
-    updates, state1 = update(bad, state, params)
-    assert _tree_equal(updates, jax.tree_util.tree_map(jnp.zeros_like, params))
-    assert _tree_equal(state1.inner_state, state.inner_state)
-    assert int(state1.skipped_steps) == 1 and not bool(state1.last_finite)
-
-    updates, state2 = update(good, state1, params)
-    ref_updates, _ = jax.jit(make(0.1).update)(good, make(0.1).init(params), params)
-    for u, r in zip(
-        jax.tree_util.tree_leaves(updates), jax.tree_util.tree_leaves(ref_updates)
+    # As if the bad steps never happened: the inner optimizer on good1, good2.
+    inner = make()
+    ref_state = inner.init(params)
+    ref = params
+    for g in (good1, good2):
+        u, ref_state = inner.update(g, ref_state, ref)
+        ref = optax.apply_updates(ref, u)
+    for a, b in zip(jax.tree_util.tree_leaves(p3), jax.tree_util.tree_leaves(ref)):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    for a, b in zip(
+        jax.tree_util.tree_leaves(s3.inner_state),
+        jax.tree_util.tree_leaves(ref_state),
     ):
-        np.testing.assert_allclose(u, r, rtol=1e-6)  # as if the bad step never happened
-    assert int(state2.skipped_steps) == 1 and bool(state2.last_finite)
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_skip_wrapper_forwards_extra_args_and_skips_nonfinite_inner_updates():
+    def inner_update(updates, state, params=None, *, factor):
+        return jax.tree_util.tree_map(lambda u: u * factor, updates), state
+
+    inner = optax.GradientTransformationExtraArgs(
+        lambda p: optax.EmptyState(), inner_update
+    )
+    opt = jaxamp.skip_nonfinite_updates(inner)
+    state = opt.init({"w": jnp.ones(2)})
+    u, state = opt.update({"w": jnp.ones(2)}, state, factor=3.0)
+    np.testing.assert_array_equal(u["w"], [3.0, 3.0])
+    # Finite gradients, but the inner optimizer overflows: skipped too.
+    u, state = opt.update({"w": jnp.ones(2)}, state, factor=jnp.inf)
+    np.testing.assert_array_equal(u["w"], [0.0, 0.0])
+    assert int(state.skipped_steps) == 1
 
 
 def test_skip_wrapper_rejects_non_optimizer():
@@ -90,10 +140,31 @@ def test_optimizer_update_for_equinox():
     opt_state = opt.init(eqx.filter(model, eqx.is_array))
     grads = jax.tree_util.tree_map(jnp.ones_like, eqx.filter(model, eqx.is_array))
     bad = jax.tree_util.tree_map(lambda g: g * jnp.inf, grads)
+    update = eqx.filter_jit(jaxamp.optimizer_update)
 
-    m1, s1 = jaxamp.optimizer_update(model, opt, opt_state, bad, jaxamp.all_finite(bad))
+    m1, s1 = update(model, opt, opt_state, bad, jaxamp.all_finite(bad))
     assert _tree_equal(m1, model) and _tree_equal(s1, opt_state)
-    m2, _ = jaxamp.optimizer_update(
-        model, opt, opt_state, grads, jaxamp.all_finite(grads)
-    )
+    m2, s2 = update(model, opt, opt_state, grads, jaxamp.all_finite(grads))
+    # Adam's first step is lr * sign(g) (up to eps): every parameter moves by -0.1.
     np.testing.assert_allclose(m2.weight, model.weight - 0.1, rtol=1e-5)
+    np.testing.assert_allclose(m2.bias, model.bias - 0.1, rtol=1e-5)
+    assert int(s2[0].count) == 1 and int(s1[0].count) == 0
+    # A Python bool works as the predicate.
+    m3, _ = jaxamp.optimizer_update(model, opt, opt_state, grads, False)
+    assert _tree_equal(m3, model)
+    with pytest.raises(TypeError, match="must be an optax GradientTransformation"):
+        jaxamp.optimizer_update(model, lambda g: g, opt_state, grads, True)
+
+
+def test_optimizer_update_keeps_float16_parameters_float16():
+    """float32 gradients (what dynamic_scale_* return) on float16 parameters:
+    the sum is formed in float32 and stored as float16."""
+    model = {"w": jnp.asarray([1.0, 2.0], jnp.float16), "tag": "static"}
+    opt = optax.sgd(1e-3)
+    opt_state = opt.init(eqx.filter(model, eqx.is_array))
+    grads = {"w": jnp.asarray([1.0, -1.0], jnp.float32), "tag": None}
+    with jax.numpy_dtype_promotion("strict"):
+        new, _ = jaxamp.optimizer_update(model, opt, opt_state, grads, True)
+    assert new["w"].dtype == jnp.float16 and new["tag"] == "static"
+    want = (np.float32([1.0, 2.0]) - 1e-3 * np.float32([1.0, -1.0])).astype(np.float16)
+    np.testing.assert_array_equal(new["w"], want)
