@@ -16,14 +16,17 @@ PyTree = Any
 
 
 def all_finite(tree: PyTree) -> jax.Array:
-    """Whether every floating-point leaf of ``tree`` is finite.
+    """Whether every floating-point leaf of ``tree`` is finite (no inf or NaN).
+
+    The overflow check of dynamic loss scaling (as jmp's ``all_finite``, and
+    PyTorch's ``GradScaler`` "found_inf"). Works under ``jit`` (no host sync).
 
     Args:
-        tree: any pytree; non-array and non-float leaves (ints, None, static
-            fields of an Equinox module) are ignored.
+        tree: any pytree, leaves of any shape; non-array and non-float leaves
+            (ints, None, static fields of an Equinox module) are ignored.
 
     Returns:
-        A scalar boolean array (True for a tree without float leaves).
+        A bool array of shape ``()`` (True for a tree without float leaves).
     """
     leaves = [
         x
@@ -39,26 +42,38 @@ def select_tree(pred: Any, a: PyTree, b: PyTree) -> PyTree:
     """``a`` where the scalar boolean ``pred`` is True, else ``b``, leaf by leaf.
 
     Args:
-        pred: scalar boolean (array or Python bool).
-        a, b: pytrees of the same structure; array leaves must have equal shapes
-            and dtypes; non-array leaves are taken from ``a``.
+        pred: scalar boolean (shape ``()`` array or Python bool), e.g. from
+            :func:`all_finite`.
+        a, b: pytrees of the same structure; array leaves at the same position
+            must have equal shapes and dtypes; non-array leaves are taken from
+            ``a``.
 
     Returns:
-        A pytree with ``a``'s structure.
+        A pytree with ``a``'s structure (jmp's ``select_tree``, without the
+        requirement that every leaf be an array).
 
     Raises:
-        ValueError: if ``pred`` is not a scalar.
+        ValueError: if ``pred`` is not a scalar, or two array leaves differ in
+            shape or dtype (a silent promotion would change the dtypes of the
+            state and recompile the step).
     """
     pred = jnp.asarray(pred)
     if pred.shape != ():
         raise ValueError(f"select_tree: pred must be a scalar, got shape {pred.shape}.")
+    pred = pred.astype(bool)
 
-    def leaf(x, y):
+    def leaf(path, x, y):
         if eqx.is_array(x):
+            if eqx.is_array(y) and (x.shape != y.shape or x.dtype != y.dtype):
+                raise ValueError(
+                    f"select_tree: leaf {jax.tree_util.keystr(path)} is "
+                    f"{x.dtype}{list(x.shape)} in a but {y.dtype}{list(y.shape)} "
+                    "in b; cast one of them so both match."
+                )
             return jnp.where(pred, x, y)
         return x
 
-    return jax.tree_util.tree_map(leaf, a, b, is_leaf=lambda x: x is None)
+    return jax.tree_util.tree_map_with_path(leaf, a, b, is_leaf=lambda x: x is None)
 
 
 class SkipNonFiniteState(NamedTuple):
