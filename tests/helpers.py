@@ -1,0 +1,42 @@
+"""Small helpers shared by the tests: pytree comparisons and bfloat16 rounding.
+
+Jaxpr walking lives in the package (``jaxamp.primitive_dtypes``,
+``jaxamp.matmul_flops_by_dtype``, ``jaxamp.iter_equations``).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def round_bf16(tree):
+    """Round every float leaf to bfloat16 and back (inputs bfloat16 can represent
+    exactly, so a mixed-precision run sees the same inputs as the reference)."""
+    return jax.tree.map(lambda a: a.astype(jnp.bfloat16).astype(a.dtype), tree)
+
+
+def tree_dtypes(tree):
+    """The dtypes of a pytree's array leaves, as a list of numpy dtypes."""
+    return [np.dtype(x.dtype) for x in jax.tree.leaves(tree)]
+
+
+def rel_l2(tree, ref):
+    """Relative L2 error ``||tree - ref|| / ||ref||`` over all leaves, in float64."""
+    a, b = jax.tree.leaves(tree), jax.tree.leaves(ref)
+    assert len(a) == len(b), (len(a), len(b))
+    num = sum(
+        float(np.sum(np.square(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
+        for x, y in zip(a, b)
+    )
+    den = sum(float(np.sum(np.square(np.asarray(y, np.float64)))) for y in b)
+    return (num / den) ** 0.5
+
+
+def assert_tree_allclose(tree, ref, *, rtol, atol=0.0):
+    """Same structure, same dtypes and shapes, and values within tolerance."""
+    assert jax.tree.structure(tree) == jax.tree.structure(ref)
+    for x, y in zip(jax.tree.leaves(tree), jax.tree.leaves(ref)):
+        assert x.dtype == y.dtype and x.shape == y.shape, (x.dtype, y.dtype)
+        np.testing.assert_allclose(
+            np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=rtol, atol=atol
+        )
