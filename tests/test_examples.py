@@ -16,16 +16,12 @@ import train_charlm  # noqa: E402
 import train_digits  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def standard_promotion():
-    # optax's adamw mixes Python floats with int32 step counts, which strict
-    # promotion rejects; the examples' own code runs under either mode.
-    with jax.numpy_dtype_promotion("standard"):
-        yield
-
-
 @pytest.mark.slow
 def test_charlm_all_modes_end_to_end(tmp_path):
+    # Runs under conftest's strict dtype promotion: the model and the amp'd
+    # losses must not rely on implicit promotion (only optax's update is
+    # traced under standard promotion, inside the example).
+    assert jax.config.jax_numpy_dtype_promotion == "strict"
     cfg = train_charlm.Config(
         steps=25,
         batch_size=8,
@@ -96,6 +92,18 @@ def test_charlm_unreadable_data_dir_is_a_one_line_error(tmp_path):
 def test_charlm_empty_data_dir(tmp_path):
     with pytest.raises(train_charlm.DataError, match="no readable Python files"):
         train_charlm.load_corpus(str(tmp_path), 1000)
+    for i in range(3):
+        (tmp_path / f"m{i}.py").write_text("x = 1\n")
+    with pytest.raises(train_charlm.DataError, match="too few Python files"):
+        train_charlm.load_corpus(str(tmp_path), 1000)
+
+
+def test_charlm_split_shorter_than_a_window_is_a_data_error(tmp_path):
+    for i in range(10):  # file 9, the validation split, is 6 bytes long
+        (tmp_path / f"m{i}.py").write_text("x = 1\n" * (1 if i == 9 else 100))
+    cfg = train_charlm.Config(data_dir=str(tmp_path), seq_len=64, out=str(tmp_path))
+    with pytest.raises(train_charlm.DataError, match="validation split is shorter"):
+        train_charlm.run(cfg, progress=False)
 
 
 def test_corpus_split_is_deterministic_and_whole_files(tmp_path):
