@@ -1,6 +1,7 @@
 """End-to-end runs of the examples on tiny settings (the main job must not rot)."""
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -39,6 +40,7 @@ def test_charlm_all_modes_end_to_end(tmp_path):
     saved = json.loads((tmp_path / "charlm_results.json").read_text())
     assert (tmp_path / "charlm_loss.png").stat().st_size > 1000
     assert [r["mode"] for r in saved["results"]] == ["fp32", "bf16", "fp16"]
+    assert saved["total_wall_s"] >= sum(r["wall_s"] for r in saved["results"])
     assert saved["unigram_entropy_bits"] == pytest.approx(
         report["unigram_entropy_bits"]
     )
@@ -53,6 +55,7 @@ def test_charlm_all_modes_end_to_end(tmp_path):
             "low_precision_flop_share",
             "residual_bytes_vs_fp32",
             "sample",
+            "wall_s",
         ):
             assert key in r, key
         losses = r["losses"]
@@ -60,7 +63,13 @@ def test_charlm_all_modes_end_to_end(tmp_path):
         assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.3  # it learned
         assert np.isfinite(r["val_loss"])
         assert len(r["sample"]) > 0
+        assert r["val_bits_per_char"] == pytest.approx(r["val_loss"] / math.log(2))
+    assert f"| {saved['results'][-1]['mode']} |" in saved["table"]
     fp32, bf16, fp16 = saved["results"]
+    for low in (bf16, fp16):  # same seed, data and step count as fp32
+        assert abs(low["val_loss"] - fp32["val_loss"]) < 0.02 * fp32["val_loss"]
+    assert fp32["residual_bytes_vs_fp32"] == 1.0
+    assert fp16["residual_bytes_vs_fp32"] < 0.9
     assert fp32["low_precision_flop_share"] == 0.0
     assert bf16["low_precision_flop_share"] == 1.0
     assert fp16["low_precision_flop_share"] == 1.0
