@@ -51,7 +51,7 @@ class Config:
     The defaults train all three modes in under 10 minutes on a 2-core CPU.
 
     Attributes:
-        mode: ``"all"`` (fp32, bf16, fp16 in turn) or a key of ``MODES``.
+        mode: ``"all"`` (fp32, bf16, fp16 in turn) or one mode of ``MODES``.
         steps: optimizer steps per mode.
         batch_size: sequences per step.
         seq_len: bytes per sequence (also the model's context length).
@@ -64,7 +64,8 @@ class Config:
         max_bytes: stop reading source files after this many bytes.
         eval_batches: validation batches (of ``batch_size``) to average.
         sample_chars: characters to sample from each trained model.
-        data_dir: folder of ``*.py`` files (default: the stdlib).
+        data_dir: folder of ``*.py`` files; None: the running interpreter's
+            standard library.
         out: folder for ``charlm_results.json`` and ``charlm_loss.png``.
     """
 
@@ -605,6 +606,18 @@ def run(cfg: Config, progress: bool = True) -> dict:
     return report
 
 
+def _field_docs() -> dict[str, str]:
+    """The ``Attributes`` of ``Config``'s docstring, by field name."""
+    docs, name = {}, None
+    for line in Config.__doc__.split("Attributes:")[1].splitlines():
+        head, sep, text = line.strip().partition(": ")
+        if sep and head.isidentifier():
+            name, docs[head] = head, text.replace("``", "")
+        elif name and line.strip():
+            docs[name] += " " + line.strip().replace("``", "")
+    return docs
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point: trains, prints the table and the samples.
 
@@ -615,15 +628,24 @@ def main(argv: list[str] | None = None) -> int:
         The exit status: 0, or 2 with a one-line error on stderr when the data
         folder cannot be read.
     """
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--mode", default="all", choices=["all", *MODES])
+    p = argparse.ArgumentParser(
+        description=" ".join(__doc__.split("\n\n")[0].split()),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    helps = _field_docs()
+    p.add_argument("--mode", default="all", choices=["all", *MODES], help=helps["mode"])
     for f in dataclasses.fields(Config):
-        if f.name in ("mode",):
+        if f.name == "mode":
             continue
         flag = "--" + f.name.replace("_", "-")
         typ = str if f.name in ("data_dir", "out") else type(f.default)
-        p.add_argument(flag, type=typ, default=f.default)
+        p.add_argument(flag, type=typ, default=f.default, help=helps[f.name])
     cfg = Config(**vars(p.parse_args(argv)))
+    for name in ("steps", "batch_size", "seq_len", "d_model", "layers", "heads"):
+        if getattr(cfg, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if cfg.d_model % cfg.heads:
+        p.error(f"--d-model {cfg.d_model} is not divisible by --heads {cfg.heads}")
     try:
         report = run(cfg)
     except DataError as e:

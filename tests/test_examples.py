@@ -98,6 +98,20 @@ def test_charlm_unreadable_data_dir_is_a_one_line_error(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--heads", "3"], "not divisible by --heads 3"),
+        (["--steps", "0"], "--steps must be at least 1"),
+    ],
+)
+def test_charlm_bad_flags_are_usage_errors(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train_charlm.main(flags)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_charlm_empty_data_dir(tmp_path):
     with pytest.raises(train_charlm.DataError, match="no readable Python files"):
         train_charlm.load_corpus(str(tmp_path), 1000)
