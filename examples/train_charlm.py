@@ -524,12 +524,14 @@ def table(results: list[dict], fp32_residual: int | None) -> str:
     return "\n".join(rows)
 
 
-def plot(results: list[dict], path: Path) -> None:
+def plot(results: list[dict], path: Path, unigram_bits: float | None = None) -> None:
     """Writes a PNG of the training-loss curves of the modes.
 
     Args:
         results: the dicts returned by ``train``.
         path: the PNG file to write.
+        unigram_bits: the corpus's unigram entropy, drawn as a reference line
+            (in nats, like the losses); None for none.
     """
     import matplotlib
 
@@ -538,11 +540,26 @@ def plot(results: list[dict], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for r in results:
-        ax.plot(r["losses"], label=r["mode"], linewidth=1)
+        (line,) = ax.plot(r["losses"], label=f"{r['mode']} train", linewidth=1)
+        ax.plot(
+            len(r["losses"]) - 1,
+            r["val_loss"],
+            "o",
+            color=line.get_color(),
+            label=f"{r['mode']} validation ({r['val_bits_per_char']:.2f} bits/char)",
+        )
+    if unigram_bits is not None:
+        ax.axhline(
+            unigram_bits * math.log(2),
+            color="gray",
+            linestyle="--",
+            linewidth=1,
+            label=f"unigram entropy ({unigram_bits:.2f} bits/char)",
+        )
     ax.set_xlabel("step")
-    ax.set_ylabel("train loss (nats/char)")
+    ax.set_ylabel("loss (nats/char)")
     ax.set_title("char-level GPT on the Python stdlib")
-    ax.legend()
+    ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -602,7 +619,7 @@ def run(cfg: Config, progress: bool = True) -> dict:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "charlm_results.json").write_text(json.dumps(report, indent=1))
-    plot(results, out / "charlm_loss.png")
+    plot(results, out / "charlm_loss.png", report["unigram_entropy_bits"])
     return report
 
 
