@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _compat
+from . import _compat, _reductions
 from ._rules import Rule, cast, cast_cache, default_amp_policy
 
 # Scope that marks equations an amp has already rewritten: an enclosing amp
@@ -173,7 +173,7 @@ def _apply_rule(eqn, invals, ctx: AmpContext, scopes) -> Any:
     if getattr(rule, "amp_impl", False):  # an implementation rule (e.g. FP8)
         return result
     new_in, new_params = check_rule_result(result, prim, rule, len(invals))
-    return _compat.bind(prim, new_in, new_params)
+    return _reductions.bind(prim, new_in, new_params)
 
 
 def check_rule_result(result, prim, rule: Callable, n: int):

@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -91,6 +92,13 @@ def test_charlm_unreadable_data_dir_is_a_one_line_error(tmp_path):
         capture_output=True,
         text=True,
         timeout=300,
+        # the example imports jaxamp from this checkout, installed or not
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(
+                [str(ROOT), os.environ.get("PYTHONPATH", "")]
+            ),
+        },
     )
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()

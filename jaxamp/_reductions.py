@@ -1,0 +1,210 @@
+"""Sums JAX derives when differentiating, accumulated in float32.
+
+Broadcasting. lax's elementwise n-ary primitives broadcast size-1 and rank-0 operands
+implicitly (``mul x:bf16[B,T,D] g:bf16[1,1,D]``), and ``broadcast_in_dim``
+does it explicitly. Their transpose sums the cotangent over the broadcast
+dimensions *in the cotangent's dtype*: under amp the gradient of a bias, a
+LayerNorm gain or a subtracted mean would be a bfloat16 ``reduce_sum`` over
+``B*T`` terms, which loses every term below 2**-8 of the running sum.
+
+:func:`bind` binds such an equation through a ``jax.custom_jvp`` whose tangent
+rule broadcasts the small operand's tangent in float32 and casts the broadcast
+result once to the operand's dtype. The transpose of that chain is
+``convert -> reduce_sum(float32) -> convert``: the sum accumulates in float32
+(XLA fuses the converts into the reduction) and rounds once, as PyTorch
+autocast's float32 ``sum`` does
+(https://pytorch.org/docs/stable/amp.html#autocast-op-reference).
+
+The primal is the unchanged primitive. Tangent coefficients are computed from
+the small operands (``mul``'s coefficient is the other operand, ``div``'s
+denominator rule uses ``y**-2`` of the small ``y``), so the backward pass saves
+the same residuals as without the wrapper. Forward-mode and higher-order
+derivatives go through the same rule.
+
+Choosers. The JVP of ``reduce_max``/``reduce_min`` counts the tied maxima with a
+``reduce_sum`` of 0/1 indicators in the operand's dtype (bfloat16 counts are
+exact only up to 256). Here the indicators stay in the operand's dtype (the
+same residual) and the counts and the tangent's sum are float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.custom_derivatives import SymbolicZero
+
+from . import _compat
+from ._dtypes import dtype_of, is_float
+from ._rules import is_literal
+
+# Elementwise primitives that broadcast size-1 / rank-0 operands implicitly.
+ELEMENTWISE = frozenset(
+    {"add", "sub", "mul", "div", "max", "min", "pow", "atan2", "rem", "nextafter"}
+)
+# Linear primitives whose transpose sums over the dimensions they create.
+BROADCASTING = frozenset({"broadcast_in_dim"})
+# Reductions whose JVP sums indicators of the chosen elements.
+CHOOSERS = frozenset({"reduce_max", "reduce_min"})
+
+
+def _low(x: Any) -> bool:
+    """A traced floating value narrower than float32 (bf16, f16, FP8)."""
+    dtype = dtype_of(x)
+    return not is_literal(x) and is_float(dtype) and dtype.itemsize < 4
+
+
+def _widened_broadcast(t: Any, shape: tuple[int, ...]) -> Any:
+    """``t`` broadcast to ``shape`` in float32, cast back to ``t``'s dtype."""
+    wide = jax.lax.convert_element_type(t, jnp.float32)
+    full = jax.lax.broadcast_in_dim(
+        jnp.reshape(wide, (1,) * (len(shape) - wide.ndim) + wide.shape),
+        shape,
+        tuple(range(len(shape))),
+    )
+    return jax.lax.convert_element_type(full, t.dtype)
+
+
+def _elementwise(prim: Any, invals: Sequence[Any], params: dict) -> Any:
+    shapes = [np.shape(x) for x in invals]
+    shape = tuple(np.broadcast_shapes(*shapes))
+    small = [i for i, x in enumerate(invals) if _low(x) and np.shape(x) != shape]
+    if not small:
+        return None
+    traced = [i for i, x in enumerate(invals) if not is_literal(x)]
+
+    def primal(*args):
+        vals = list(invals)
+        for i, a in zip(traced, args):
+            vals[i] = a
+        return _compat.bind(prim, vals, params)
+
+    f = jax.custom_jvp(primal)
+
+    def jvp(primals, tangents):
+        vals = list(invals)
+        for i, a in zip(traced, primals):
+            vals[i] = a
+        out = _compat.bind(prim, vals, params)
+        t_out = None
+        for i, t in zip(traced, tangents):
+            if isinstance(t, SymbolicZero):
+                continue
+            if i in small:
+                t_i = _partial_tangent(prim, params, vals, i, shape, t)
+            else:
+                t_i = _jvp_at(prim, params, vals, i, vals[i], t)
+            t_out = t_i if t_out is None else jax.lax.add(t_out, t_i)
+        if t_out is None:
+            t_out = jnp.zeros_like(out)
+        return out, t_out
+
+    f.defjvp(jvp, symbolic_zeros=True)
+    return f(*(invals[i] for i in traced))
+
+
+def _jvp_at(prim, params, vals, i, x, t):
+    """Tangent of ``prim`` in operand ``i`` at ``x``, the others held fixed."""
+
+    def partial_fn(xi):
+        args = list(vals)
+        args[i] = xi
+        return _compat.bind(prim, args, params)
+
+    return jax.jvp(partial_fn, (x,), (t,))[1]
+
+
+def _partial_tangent(prim, params, vals, i, shape, t):
+    """Tangent in the broadcast operand ``i``: its tangent is broadcast in float32
+    first, so no cotangent is summed in low precision."""
+    t_full = _widened_broadcast(t, shape)
+    if prim.name == "div" and i == 1:
+        # d(x/y) = -t x y**-2, with y**-2 of the small y (a small residual).
+        x, y = vals
+        return jax.lax.mul(
+            jax.lax.mul(jax.lax.neg(t_full), x), jax.lax.integer_pow(y, -2)
+        )
+    x_full = jax.lax.broadcast_in_dim(
+        jnp.reshape(
+            vals[i], (1,) * (len(shape) - np.ndim(vals[i])) + np.shape(vals[i])
+        ),
+        shape,
+        tuple(range(len(shape))),
+    )
+    return _jvp_at(prim, params, vals, i, x_full, t_full)
+
+
+def _broadcast_in_dim(prim: Any, invals: Sequence[Any], params: dict) -> Any:
+    (x, *dyn) = invals
+    if dyn or not _low(x) or np.size(x) == np.prod(params["shape"]):
+        return None
+
+    @jax.custom_jvp
+    def f(x):
+        return _compat.bind(prim, [x], params)
+
+    @f.defjvp
+    def f_jvp(primals, tangents):
+        (x,), (t,) = primals, tangents
+        wide = _compat.bind(
+            prim, [jax.lax.convert_element_type(t, jnp.float32)], params
+        )
+        out = _compat.bind(prim, [x], params)
+        return out, jax.lax.convert_element_type(wide, t.dtype)
+
+    return f(x)
+
+
+def _chooser(prim: Any, invals: Sequence[Any], params: dict) -> Any:
+    (x,) = invals
+    if not _low(x):
+        return None
+    axes = tuple(params["axes"])
+
+    @jax.custom_jvp
+    def f(x):
+        return _compat.bind(prim, [x], params)
+
+    @f.defjvp
+    def f_jvp(primals, tangents):
+        (x,), (t,) = primals, tangents
+        out = _compat.bind(prim, [x], params)
+        keep = [1 if i in axes else d for i, d in enumerate(x.shape)]
+        chosen = jax.lax.eq(x, jnp.reshape(out, keep))
+        indicators = jax.lax.convert_element_type(chosen, x.dtype)
+        counts = jnp.sum(jax.lax.convert_element_type(chosen, jnp.float32), axes)
+        picked = jax.lax.convert_element_type(jax.lax.mul(t, indicators), jnp.float32)
+        t_out = jax.lax.div(jnp.sum(picked, axes), counts)
+        return out, jax.lax.convert_element_type(t_out, t.dtype)
+
+    return f(x)
+
+
+def bind(prim: Any, invals: Sequence[Any], params: dict) -> Any:
+    """Bind ``prim`` so that the sums its derivatives need run in float32.
+
+    Args:
+        prim: the primitive of an equation.
+        invals: its inputs after the policy's casts (arrays, tracers or literals).
+        params: its bind parameters (as from ``_compat.bind_params``).
+
+    Returns:
+        ``prim``'s outputs, with the same values and dtypes as ``prim.bind``.
+        Elementwise primitives (``add``, ``mul``, ...) with a traced operand
+        narrower than float32 that is broadcast, and ``broadcast_in_dim`` of such
+        a value, and ``reduce_max``/``reduce_min`` of such a value are bound
+        through a ``custom_jvp`` (module docstring); anything else is bound
+        directly.
+    """
+    if prim.name in ELEMENTWISE and len(invals) == 2:
+        out = _elementwise(prim, invals, params)
+    elif prim.name in BROADCASTING:
+        out = _broadcast_in_dim(prim, invals, params)
+    elif prim.name in CHOOSERS and len(invals) == 1:
+        out = _chooser(prim, invals, params)
+    else:
+        out = None
+    return _compat.bind(prim, invals, params) if out is None else out
