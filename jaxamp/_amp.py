@@ -96,7 +96,10 @@ def amp(
         )
         core, consts = _compat.jaxpr_parts(closed)
         with cast_cache(), jax.named_scope(AMP_REGION):
-            outs = eval_jaxpr(core, consts, leaves, ctx)
+            # The arguments (parameters, batch) and closed-over values are held:
+            # alive for the step, so casts of them are recomputed, not saved.
+            held = [True] * len(leaves)
+            outs = eval_jaxpr(core, consts, leaves, ctx, held, consts_held=True)
             outs = [restore(x, v.aval) for x, v in zip(outs, core.outvars)]
         out_def, out_static = out_tree[0]
         return eqx.combine(jax.tree_util.tree_unflatten(out_def, outs), out_static)

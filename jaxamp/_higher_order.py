@@ -28,7 +28,7 @@ import jax
 
 from . import _compat
 from ._dtypes import dtype_of
-from ._interpreter import AmpContext, check_rule_result, eval_jaxpr, restore
+from ._interpreter import AmpContext, check_rule_result, eval_jaxpr, is_held, restore
 from ._rules import cast_cache
 
 HigherOrderRule = Callable[[Any, list, AmpContext], Any]
@@ -74,13 +74,16 @@ def rewrite_jaxpr(
     ctx: AmpContext,
     in_dtypes: tuple | None = None,
     out_dtypes: tuple | str | None = None,
+    held: tuple[bool, ...] = (),
 ) -> Any:
     """``jaxpr`` rewritten under ``ctx``; by default with identical in/out avals.
 
     ``in_dtypes`` / ``out_dtypes`` (one entry per input / output, None to keep
     the traced dtype) change the signature where a rule asked for it (scan
     carries); ``out_dtypes=FREE`` lets outputs leave in the dtype the body
-    computes them in (call-like primitives). Returns a jaxpr of the same kind
+    computes them in (call-like primitives). ``held`` marks the inputs bound to
+    held values (:func:`jaxamp._interpreter.is_held`) where JAX's partial
+    evaluation forwards them as residuals. Returns a jaxpr of the same kind
     (closed or open), or None when an open jaxpr would need constants it
     cannot carry (the caller then runs the equation unchanged).
     """
@@ -88,9 +91,9 @@ def rewrite_jaxpr(
         per_jaxpr = _REWRITES.setdefault(jaxpr, {})
     except TypeError:  # not weak-referenceable: no caching
         per_jaxpr = {}
-    key = (ctx.key, in_dtypes, out_dtypes)
+    key = (ctx.key, in_dtypes, out_dtypes, held)
     if key not in per_jaxpr:
-        new = _retrace(jaxpr, ctx, in_dtypes, out_dtypes)
+        new = _retrace(jaxpr, ctx, in_dtypes, out_dtypes, held)
         per_jaxpr[key] = _compat.like(jaxpr, new)
     return per_jaxpr[key]
 
@@ -104,7 +107,9 @@ def _with_dtypes(avals: list, dtypes: tuple | None) -> list:
     ]
 
 
-def _retrace(jaxpr: Any, ctx: AmpContext, in_dtypes=None, out_dtypes=None) -> Any:
+def _retrace(
+    jaxpr: Any, ctx: AmpContext, in_dtypes=None, out_dtypes=None, held=()
+) -> Any:
     core, consts = _compat.jaxpr_parts(jaxpr)
     in_avals = _with_dtypes([v.aval for v in core.invars], in_dtypes)
     free = isinstance(out_dtypes, str) and out_dtypes == FREE
@@ -116,7 +121,7 @@ def _retrace(jaxpr: Any, ctx: AmpContext, in_dtypes=None, out_dtypes=None) -> An
         # A fresh cast cache per trace: a cast made in this trace must never be
         # served to another one (it would leak a tracer).
         with cast_cache():
-            outs = eval_jaxpr(core, consts, args, ctx)
+            outs = eval_jaxpr(core, consts, args, ctx, held)
             if free:
                 return outs
             return [restore(x, a) for x, a in zip(outs, out_avals)]
@@ -165,7 +170,11 @@ def _call(eqn: Any, invals: list, ctx: AmpContext) -> Any:
     (name,) = [k for k, v in eqn.params.items() if _compat.is_jaxpr(v)]
     in_dtypes = _changed_dtypes(invals, eqn.invars)
     params = dict(eqn.params)
-    params[name] = rewrite_jaxpr(params[name], ctx, in_dtypes, FREE)
+    # Held inputs stay held through a jit; inside a user's checkpoint its own
+    # policy decides what is saved (a dots_saveable policy must see the dots).
+    remat = eqn.primitive.name in ("remat2", "checkpoint")
+    held = () if remat else tuple(map(is_held, invals))
+    params[name] = rewrite_jaxpr(params[name], ctx, in_dtypes, FREE, held)
     if params[name] is None:
         return run_unchanged(eqn, invals, ctx)
     bparams = _compat.bind_params(eqn.primitive, params)
@@ -204,13 +213,16 @@ def _scan(eqn: Any, invals: list, ctx: AmpContext) -> Any:
         None if getattr(c, "dtype", None) == v.aval.dtype else c.dtype
         for c, v in zip(carry, carry_vars)
     )
-    if all(d is None for d in dtypes):
-        return rewrite_subjaxprs(eqn, invals, ctx)
     n_in = len(eqn.invars)
     in_dtypes = (None,) * n_consts + dtypes + (None,) * (n_in - n_consts - n_carry)
     out_dtypes = dtypes + (None,) * (len(eqn.outvars) - n_carry)
+    # Held consts and xs: scan's partial evaluation forwards them as residuals.
+    held = tuple(
+        is_held(x) and not n_consts <= i < n_consts + n_carry
+        for i, x in enumerate(invals)
+    )
     params = dict(eqn.params)
-    params["jaxpr"] = rewrite_jaxpr(params["jaxpr"], ctx, in_dtypes, out_dtypes)
+    params["jaxpr"] = rewrite_jaxpr(params["jaxpr"], ctx, in_dtypes, out_dtypes, held)
     if params["jaxpr"] is None:
         return run_unchanged(eqn, invals, ctx)
     invals[n_consts : n_consts + n_carry] = carry

@@ -7,6 +7,7 @@ This module is mechanism only. Which dtype a primitive runs in is data
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,26 @@ from ._rules import Rule, cast, cast_cache, default_amp_policy
 # Scope that marks equations an amp has already rewritten: an enclosing amp
 # treats them as "amp_stop", so the innermost amp decides inside its region.
 AMP_REGION = "jaxamp.amp"
+
+# Matmul-like primitives whose low-precision copies of *held* inputs (see
+# is_held) are recomputed in the backward pass instead of saved as residuals.
+RECOMPUTE_CASTS = frozenset(
+    {"dot_general", "conv_general_dilated", "ragged_dot_general"}
+)
+
+# id -> value of the inputs of the jaxpr being walked that stay alive for the
+# whole step anyway: the amp'd function's arguments and closed-over values
+# (parameters, batch) and the scan / jit inputs bound to them, which JAX's
+# partial evaluation forwards instead of copying.
+_HELD: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
+    "jaxamp_held", default=None
+)
+
+
+def is_held(x: Any) -> bool:
+    """True if ``x`` is an input of the current walk that is alive for the step."""
+    held = _HELD.get()
+    return held is not None and held.get(id(x)) is x
 
 
 class AmpPolicy:
@@ -126,7 +147,12 @@ def _read(env: dict, v: Any) -> Any:
 
 
 def eval_jaxpr(
-    jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: AmpContext
+    jaxpr: Any,
+    consts: Sequence[Any],
+    args: Sequence[Any],
+    ctx: AmpContext,
+    held: Sequence[bool] = (),
+    consts_held: bool = False,
 ) -> list[Any]:
     """Evaluate ``jaxpr`` with every equation re-bound under the amp policy.
 
@@ -135,6 +161,11 @@ def eval_jaxpr(
         consts: values for ``jaxpr.constvars``.
         args: values for ``jaxpr.invars`` (in their traced dtypes).
         ctx: compute dtype, policy and enclosing scopes.
+        held: per arg, whether it stays alive for the whole step anyway (see
+            :func:`is_held`); a matmul whose cast inputs are all held recomputes
+            the casts in the backward pass instead of saving the copies.
+        consts_held: whether ``consts`` are held (closed-over values of the
+            amp'd function).
 
     Returns:
         The output values, in whatever dtype the policy left them; callers cast
@@ -144,11 +175,21 @@ def eval_jaxpr(
         TypeError: if a rule returns the wrong number of inputs (names the
             primitive and the rule).
     """
-    from ._higher_order import rewrite_equation  # cycle: structure uses mechanism
-
     env: dict[Any, Any] = {}
     env.update(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
+    pairs = [*zip(args, held), *((c, consts_held) for c in consts)]
+    held_map = {id(x): x for x, h in pairs if h and isinstance(x, jax.Array)}
+    token = _HELD.set(held_map)
+    try:
+        return _eval_eqns(jaxpr, env, ctx)
+    finally:
+        _HELD.reset(token)
+
+
+def _eval_eqns(jaxpr: Any, env: dict, ctx: AmpContext) -> list[Any]:
+    from ._higher_order import rewrite_equation  # cycle: structure uses mechanism
+
     with cast_cache():
         for eqn in jaxpr.eqns:
             invals = [_read(env, v) for v in eqn.invars]
@@ -169,11 +210,48 @@ def _apply_rule(eqn, invals, ctx: AmpContext, scopes) -> Any:
     rule = ctx.policy.lookup(prim, scopes)
     params = _compat.bind_params(prim, eqn.params)
     original = [v.aval.dtype for v in eqn.invars]
-    result = rule(ctx.compute_dtype, original, *invals, **params)
     if getattr(rule, "amp_impl", False):  # an implementation rule (e.g. FP8)
-        return result
-    new_in, new_params = check_rule_result(result, prim, rule, len(invals))
-    return _reductions.bind(prim, new_in, new_params)
+        return rule(ctx.compute_dtype, original, *invals, **params)
+
+    def apply(*vals):
+        result = rule(ctx.compute_dtype, original, *vals, **params)
+        new_in, new_params = check_rule_result(result, prim, rule, len(vals))
+        return _reductions.bind(prim, new_in, new_params)
+
+    if prim.name in RECOMPUTE_CASTS and _casts_only_held(invals, ctx.compute_dtype):
+        return _recomputing_casts(apply, invals)
+    return apply(*invals)
+
+
+def _casts_only_held(invals: Sequence[Any], compute_dtype: np.dtype) -> bool:
+    """Some input is a held float wider than the compute dtype, and every other
+    float input is at most as wide (so nothing but held values gets narrowed)."""
+    width = np.dtype(compute_dtype).itemsize
+    wide = [
+        x
+        for x in invals
+        if isinstance(x, jax.Array)
+        and jax.numpy.issubdtype(x.dtype, jax.numpy.floating)
+        and x.dtype.itemsize > width
+    ]
+    return bool(wide) and all(is_held(x) for x in wide)
+
+
+def _recomputing_casts(apply: Callable, invals: Sequence[Any]) -> Any:
+    """``apply(*invals)`` inside ``jax.checkpoint``: the backward pass saves the
+    held wide inputs (alive anyway) and re-casts them, instead of saving their
+    low-precision copies. ``prevent_cse`` stays on so that XLA cannot merge the
+    recomputed cast with the forward one and keep the copy alive after all."""
+    idx = [i for i, x in enumerate(invals) if isinstance(x, jax.Array)]
+
+    def run(*arrays):
+        vals = list(invals)
+        for i, a in zip(idx, arrays):
+            vals[i] = a
+        with cast_cache():  # casts traced here must not leak to the outer walk
+            return apply(*vals)
+
+    return jax.checkpoint(run)(*(invals[i] for i in idx))
 
 
 def check_rule_result(result, prim, rule: Callable, n: int):

@@ -173,10 +173,14 @@ def test_saved_residual_bytes_by_hand():
     f = lambda w, x: jnp.tanh(x @ w).sum()
     w, x = jnp.ones((4, 3)), jnp.ones((2, 4))
     assert jaxamp.saved_residual_bytes(f, w, x) == 2 * 2 * 3 * 4
-    # Under bfloat16 amp: bfloat16 copies of x (16 B) and w (24 B) for the
-    # backward matmuls, plus tanh and (1 - tanh^2) in bfloat16 (2 x 12 B).
+    # Under bfloat16 amp: tanh and (1 - tanh^2) in bfloat16 (2 x 12 B); the
+    # backward matmuls re-cast the arguments w and x instead of saving copies.
     half = jaxamp.amp(f, compute_dtype=jnp.bfloat16)
-    assert jaxamp.saved_residual_bytes(half, w, x) == 16 + 24 + 2 * 12
+    assert jaxamp.saved_residual_bytes(half, w, x) == 2 * 12
+    # x * 2 is not an argument: its bfloat16 copy (16 B) is saved, and so is
+    # w's (24 B) since that matmul is not rematerialised.
+    g = jaxamp.amp(lambda w, x: f(w, x * 2), compute_dtype=jnp.bfloat16)
+    assert jaxamp.saved_residual_bytes(g, w, x) == 16 + 24 + 2 * 12
     # Keyword arguments reach fn and are arguments too.
     assert jaxamp.saved_residual_bytes(lambda w, *, x: f(w, x), w, x=x) == 48
 

@@ -1,6 +1,8 @@
 """Tests of the equation loop (jaxamp/_interpreter.py): policy lookup order,
 cast deduplication, values that are never cast, and rule-result checks."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -135,7 +137,93 @@ def test_source_info_is_kept():
 
     closed = jax.make_jaxpr(jaxamp.amp(f, compute_dtype=BF16))(X, W)
     (dot,) = [e for e in eqns(closed) if e.primitive.name == "dot_general"]
-    assert "my_layer" in str(dot.source_info.name_stack)
+    # The scope reaches the compiled op's name (profiles), through the
+    # checkpoint that recomputes the casts of the arguments x and w.
+    hlo = (
+        jax.jit(jaxamp.amp(f, compute_dtype=BF16)).lower(X, W).as_text(debug_info=True)
+    )
+    assert re.search(r'loc\("[^"]*/my_layer/[^"]*dot_general"', hlo)
     assert "test_interpreter.py" in str(
         jax.extend.source_info_util.summarize(dot.source_info)
     )
+
+
+# ---------------------------------------------------------------------------
+# Casts of held inputs (arguments, closed-over values, scan/jit inputs bound to
+# them) feeding a matmul are recomputed in the backward pass, not saved.
+
+
+def residuals(fn, *args):
+    from jaxamp import _compat
+
+    return [(a.dtype, a.shape, src) for a, src in _compat.saved_residuals(fn, *args)]
+
+
+LW = jnp.linspace(-1, 1, 3 * 4 * 4, dtype=jnp.float32).reshape(3, 4, 4)
+
+
+def scanned(ws, x):
+    h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)
+    return h.sum()
+
+
+def test_no_low_precision_copies_of_scanned_weights_are_saved():
+    saved = residuals(jaxamp.amp(scanned, compute_dtype=BF16), LW, X)
+    assert (jnp.dtype(jnp.float32), LW.shape, "from the argument ws") in saved
+    assert not [r for r in saved if r[1] in (LW.shape, LW.shape[1:])][1:]
+    # Without amp the scan stacks the same number of activations, in float32.
+    acts = [r for r in saved if "scan" in r[2]]
+    ref = [r for r in residuals(scanned, LW, X) if "scan" in r[2]]
+    assert len(acts) == len(ref) and {r[0] for r in acts} == {BF16}
+
+
+def test_held_through_jit_and_closures():
+    w_closed = W
+
+    def f(x):
+        return jax.jit(lambda x, w: jnp.tanh(x @ w))(x, w_closed).sum()
+
+    saved = residuals(jax.jit(jaxamp.amp(f, compute_dtype=BF16)), X)
+    # The closed-over float32 w itself (alive anyway), no bfloat16 copy of it.
+    assert [r[:2] for r in saved if r[1] == W.shape] == [
+        (jnp.dtype(jnp.float32), W.shape)
+    ]
+    assert [r[0] for r in saved if r[1] != W.shape] == [BF16, BF16]  # tanh, 1 - tanh²
+
+
+def test_copies_of_intermediate_values_are_saved_as_before():
+    """Recomputing from a wide intermediate would save more, not less: a matmul
+    with a non-held float32 input keeps the plain path (bfloat16 copies)."""
+    f = lambda w, x: jnp.tanh(jnp.sin(x) @ w).sum()
+    saved = residuals(jaxamp.amp(f, compute_dtype=BF16), W, X)
+    assert (BF16, X.shape) in {r[:2] for r in saved}
+    assert (jnp.dtype(jnp.float32), X.shape) not in {r[:2] for r in saved[1:]}
+
+
+@pytest.mark.parametrize("held", [True, False], ids=["held", "not_held"])
+def test_recomputed_casts_give_the_same_gradients(held):
+    f = jaxamp.amp(scanned, compute_dtype=BF16)
+    g = jax.grad(f, argnums=(0, 1))(LW, X)
+    # The same computation with the inputs not held (a no-op copy first).
+    plain = jaxamp.amp(
+        lambda ws, x: scanned(*(jax.lax.optimization_barrier((ws, x)))),
+        compute_dtype=BF16,
+    )
+    g_ref = jax.grad(plain, argnums=(0, 1))(LW, X)
+    if held:
+        for a, b in zip(g, g_ref):
+            np.testing.assert_array_equal(a, b)
+    closed = jax.make_jaxpr(jax.grad(plain if not held else f))(LW, X)
+    kinds = [e.primitive.name for e in eqns(closed)]
+    assert ("remat2" in kinds) == held
+
+
+def test_a_users_checkpoint_policy_still_decides():
+    """Inside jax.checkpoint(policy=dots_saveable) the dot's output is saved
+    (as the user asked), not recomputed by an inner checkpoint."""
+    policy = jax.checkpoint_policies.dots_saveable
+    f = lambda w, x: jax.checkpoint(lambda a: jnp.sin(a @ w), policy=policy)(x).sum()
+    saved = residuals(jaxamp.amp(f, compute_dtype=BF16), W, X)
+    assert (BF16, (3, 5)) in {r[:2] for r in saved}
+    closed = jax.make_jaxpr(jaxamp.amp(f, compute_dtype=BF16))(W, X)
+    assert [e.primitive.name for e in eqns(closed)].count("remat2") == 1
