@@ -134,9 +134,16 @@ def use_compute_precision(compute_dtype, original_dtypes, *invars, **params):
     """Rule: cast float inputs to the compute dtype; ``preferred_element_type``
     (matmul/conv output and accumulation type request) to the compute dtype.
 
-    This is PyTorch autocast's ``lower_precision_fp`` policy.
+    This is PyTorch autocast's ``lower_precision_fp`` policy. It never widens:
+    an equation whose float inputs are all narrower than the compute dtype
+    (e.g. a hand-written float8 matmul with a float32 result) is left as
+    written, inputs and ``preferred_element_type`` included.
     """
     del original_dtypes
+    width = np.dtype(compute_dtype).itemsize
+    floats = [dtype_of(x) for x in invars if is_float(dtype_of(x))]
+    if floats and all(d.itemsize < width for d in floats):
+        return list(invars), params
     out = [cast(x, compute_dtype) for x in invars]
     return out, _set_result_dtype(params, compute_dtype, invars)
 

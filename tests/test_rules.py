@@ -33,6 +33,32 @@ def test_use_compute_precision_leaves_integer_matmul_alone():
     assert params["preferred_element_type"] == np.dtype(jnp.int32)
 
 
+def test_use_compute_precision_never_widens_a_float8_matmul():
+    """A hand-written FP8 matmul (float8 operands, float32 result) stays as
+    written under bfloat16 amp, in the rule and end to end."""
+    e4m3 = np.dtype(jnp.float8_e4m3fn)
+    a = jnp.ones((2, 4), e4m3)
+    out, params = jaxamp.use_compute_precision(
+        BF16, [e4m3, e4m3], a, a, preferred_element_type=F32
+    )
+    assert _dtypes(out) == [e4m3, e4m3] and params["preferred_element_type"] == F32
+
+    def f(x, w):
+        y = jax.lax.dot_general(
+            x.astype(e4m3),
+            w.astype(e4m3),
+            (((1,), (0,)), ((), ())),
+            preferred_element_type=jnp.float32,
+        )
+        return y.sum()
+
+    x, w = jnp.ones((3, 4)), jnp.ones((4, 5))
+    closed = jax.make_jaxpr(jaxamp.amp(f, compute_dtype=BF16))(x, w)
+    dots = [(i, o) for n, i, o in jaxamp.primitive_dtypes(closed) if n == "dot_general"]
+    assert dots == [((e4m3, e4m3), (F32,))]
+    assert jaxamp.amp(f, compute_dtype=BF16)(x, w) == f(x, w)
+
+
 def test_follow_goes_low_when_a_traced_input_is_low():
     low, full = jnp.ones(3, jnp.bfloat16), jnp.ones(3, jnp.float32)
     out, _ = jaxamp.follow_compute_precision(BF16, [F32, F32], low, full)
