@@ -57,15 +57,16 @@ def _low(x: Any) -> bool:
     return not is_literal(x) and is_float(dtype) and dtype.itemsize < 4
 
 
+def _expand(x: Any, shape: tuple[int, ...]) -> Any:
+    """``x`` broadcast to ``shape`` (numpy broadcasting rules), explicitly."""
+    lifted = jnp.reshape(x, (1,) * (len(shape) - np.ndim(x)) + np.shape(x))
+    return jax.lax.broadcast_in_dim(lifted, shape, tuple(range(len(shape))))
+
+
 def _widened_broadcast(t: Any, shape: tuple[int, ...]) -> Any:
     """``t`` broadcast to ``shape`` in float32, cast back to ``t``'s dtype."""
-    wide = jax.lax.convert_element_type(t, jnp.float32)
-    full = jax.lax.broadcast_in_dim(
-        jnp.reshape(wide, (1,) * (len(shape) - wide.ndim) + wide.shape),
-        shape,
-        tuple(range(len(shape))),
-    )
-    return jax.lax.convert_element_type(full, t.dtype)
+    wide = _expand(jax.lax.convert_element_type(t, jnp.float32), shape)
+    return jax.lax.convert_element_type(wide, t.dtype)
 
 
 def _elementwise(prim: Any, invals: Sequence[Any], params: dict) -> Any:
@@ -127,20 +128,12 @@ def _partial_tangent(prim, params, vals, i, shape, t):
         return jax.lax.mul(
             jax.lax.mul(jax.lax.neg(t_full), x), jax.lax.integer_pow(y, -2)
         )
-    x_full = jax.lax.broadcast_in_dim(
-        jnp.reshape(
-            vals[i], (1,) * (len(shape) - np.ndim(vals[i])) + np.shape(vals[i])
-        ),
-        shape,
-        tuple(range(len(shape))),
-    )
+    x_full = _expand(vals[i], shape)
     return _jvp_at(prim, params, vals, i, x_full, t_full)
 
 
-def _broadcast_in_dim(prim: Any, invals: Sequence[Any], params: dict) -> Any:
-    (x, *dyn) = invals
-    if dyn or not _low(x) or np.size(x) == np.prod(params["shape"]):
-        return None
+def _unary(prim: Any, x: Any, params: dict, tangent: Any) -> Any:
+    """``prim(x)`` through a custom_jvp whose tangent is ``tangent(x, out, t)``."""
 
     @jax.custom_jvp
     def f(x):
@@ -149,13 +142,24 @@ def _broadcast_in_dim(prim: Any, invals: Sequence[Any], params: dict) -> Any:
     @f.defjvp
     def f_jvp(primals, tangents):
         (x,), (t,) = primals, tangents
+        out = _compat.bind(prim, [x], params)
+        return out, tangent(x, out, t)
+
+    return f(x)
+
+
+def _broadcast_in_dim(prim: Any, invals: Sequence[Any], params: dict) -> Any:
+    (x, *dyn) = invals
+    if dyn or not _low(x) or np.size(x) == np.prod(params["shape"]):
+        return None
+
+    def tangent(x, out, t):
         wide = _compat.bind(
             prim, [jax.lax.convert_element_type(t, jnp.float32)], params
         )
-        out = _compat.bind(prim, [x], params)
-        return out, jax.lax.convert_element_type(wide, t.dtype)
+        return jax.lax.convert_element_type(wide, t.dtype)
 
-    return f(x)
+    return _unary(prim, x, params, tangent)
 
 
 def _chooser(prim: Any, invals: Sequence[Any], params: dict) -> Any:
@@ -164,23 +168,16 @@ def _chooser(prim: Any, invals: Sequence[Any], params: dict) -> Any:
         return None
     axes = tuple(params["axes"])
 
-    @jax.custom_jvp
-    def f(x):
-        return _compat.bind(prim, [x], params)
-
-    @f.defjvp
-    def f_jvp(primals, tangents):
-        (x,), (t,) = primals, tangents
-        out = _compat.bind(prim, [x], params)
+    def tangent(x, out, t):
         keep = [1 if i in axes else d for i, d in enumerate(x.shape)]
         chosen = jax.lax.eq(x, jnp.reshape(out, keep))
         indicators = jax.lax.convert_element_type(chosen, x.dtype)
         counts = jnp.sum(jax.lax.convert_element_type(chosen, jnp.float32), axes)
         picked = jax.lax.convert_element_type(jax.lax.mul(t, indicators), jnp.float32)
         t_out = jax.lax.div(jnp.sum(picked, axes), counts)
-        return out, jax.lax.convert_element_type(t_out, t.dtype)
+        return jax.lax.convert_element_type(t_out, t.dtype)
 
-    return f(x)
+    return _unary(prim, x, params, tangent)
 
 
 def bind(prim: Any, invals: Sequence[Any], params: dict) -> Any:
