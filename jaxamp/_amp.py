@@ -40,6 +40,14 @@ def amp(
     with itself: inside a nested ``amp`` the innermost one decides (its region
     is ``amp_stop`` to the enclosing one).
 
+    For the backward pass JAX derives: the sums it adds when differentiating a
+    low-precision broadcast or ``reduce_max`` run in float32 (a ``custom_jvp``
+    per such equation), and a matmul whose narrowed inputs are all held (the
+    arguments of ``fn`` and the values it closes over, also as ``scan``/``jit``
+    inputs) re-casts them in the backward pass inside a ``jax.checkpoint``
+    instead of saving the low-precision copies. That assumes ``fn``'s arguments
+    are alive for the step anyway, as parameters and batches are.
+
     Args:
         fn: a function of any pytrees (Equinox modules, dicts, ...); array leaves
             are traced, other leaves are static.

@@ -188,7 +188,9 @@ def test_held_through_jit_and_closures():
     assert [r[:2] for r in saved if r[1] == W.shape] == [
         (jnp.dtype(jnp.float32), W.shape)
     ]
-    assert [r[0] for r in saved if r[1] != W.shape] == [BF16, BF16]  # tanh, 1 - tanh²
+    # tanh's derivative (two arrays on JAX 0.10, one on 0.11), in bfloat16
+    others = [r[0] for r in saved if r[1] != W.shape]
+    assert others and set(others) == {BF16}
 
 
 def test_copies_of_intermediate_values_are_saved_as_before():
