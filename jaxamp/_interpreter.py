@@ -93,6 +93,11 @@ class AmpPolicy:
         self._by_name = by_name
         self._source = dict(amp_policy)
 
+    @property
+    def stop_rule(self) -> Rule:
+        """The rule of ``amp_stop`` regions (and of inner amps' regions)."""
+        return self._stop
+
     def lookup(self, primitive: Any, scopes: Sequence[str]) -> Rule:
         """The rule for ``primitive`` under the scope components ``scopes``."""
         if "amp_stop" in scopes or AMP_REGION in scopes:
@@ -218,7 +223,11 @@ def _apply_rule(eqn, invals, ctx: AmpContext, scopes) -> Any:
         new_in, new_params = check_rule_result(result, prim, rule, len(vals))
         return _reductions.bind(prim, new_in, new_params)
 
-    if prim.name in RECOMPUTE_CASTS and _casts_only_held(invals, ctx.compute_dtype):
+    if (
+        prim.name in RECOMPUTE_CASTS
+        and rule is not ctx.policy.stop_rule  # amp_stop regions stay as traced
+        and _casts_only_held(invals, ctx.compute_dtype)
+    ):
         return _recomputing_casts(apply, invals)
     return apply(*invals)
 

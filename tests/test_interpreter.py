@@ -229,3 +229,16 @@ def test_a_users_checkpoint_policy_still_decides():
     assert (BF16, (3, 5)) in {r[:2] for r in saved}
     closed = jax.make_jaxpr(jaxamp.amp(f, compute_dtype=BF16))(W, X)
     assert [e.primitive.name for e in eqns(closed)].count("remat2") == 1
+
+
+def test_amp_stop_regions_are_not_wrapped():
+    def f(w, x):
+        with jaxamp.amp_stop():
+            return jnp.tanh(x @ w).sum()
+
+    closed = jax.make_jaxpr(jax.grad(jaxamp.amp(f, compute_dtype=BF16)))(W, X)
+    kinds = [e.primitive.name for e in eqns(closed)]
+    assert "remat2" not in kinds and "custom_jvp_call" not in kinds
+    assert {i for n, i, _ in jaxamp.primitive_dtypes(closed) if n == "dot_general"} == {
+        (F32, F32)
+    }
