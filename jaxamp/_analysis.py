@@ -40,13 +40,6 @@ def _check(closed: Any) -> Any:
     return closed
 
 
-def _sub_jaxprs(params: dict) -> Iterator[Any]:
-    for val in params.values():
-        for sub in val if isinstance(val, (tuple, list)) else (val,):
-            if _compat.is_jaxpr(sub):
-                yield sub
-
-
 def _inner_weight(eqn: Any, weight: float) -> float:
     if eqn.primitive.name == "scan":
         return weight * eqn.params.get("length", 1)
@@ -75,7 +68,7 @@ def iter_equations(closed: Any, weight: float = 1.0) -> Iterator[tuple[Any, floa
     core, _ = _compat.jaxpr_parts(_check(closed))
     for eqn in core.eqns:
         yield eqn, weight
-        for sub in _sub_jaxprs(eqn.params):
+        for sub in _compat.sub_jaxprs(eqn.params):
             yield from iter_equations(sub, _inner_weight(eqn, weight))
 
 
@@ -160,7 +153,7 @@ def _flops(closed: Any) -> dict[str, float]:
                 _add(out, max(per_branch, key=lambda f: sum(f.values())), 1.0)
         else:
             inner = _inner_weight(eqn, 1.0) * _shards(eqn)
-            for sub in _sub_jaxprs(eqn.params):
+            for sub in _compat.sub_jaxprs(eqn.params):
                 _add(out, _flops(sub), inner)
     return out
 

@@ -38,6 +38,14 @@ def is_jaxpr(x: Any) -> bool:
     return isinstance(x, (Jaxpr, ClosedJaxpr))
 
 
+def sub_jaxprs(params: dict):
+    """The jaxprs among an equation's params (single or in tuples/lists)."""
+    for val in params.values():
+        for sub in val if isinstance(val, (tuple, list)) else (val,):
+            if is_jaxpr(sub):
+                yield sub
+
+
 def jaxpr_parts(j: Any) -> tuple[Any, list]:
     """``(jaxpr with constvars/invars/outvars/eqns, consts)`` of a (closed) jaxpr."""
     if MERGED_JAXPR:  # JAX >= 0.11

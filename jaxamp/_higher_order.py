@@ -56,14 +56,9 @@ def rewrite_equation(eqn: Any, invals: list, ctx: AmpContext) -> Any:
     rule = higher_order_rules.get(eqn.primitive.name)
     if rule is not None:
         return rule(eqn, invals, ctx)
-    if any(_compat.is_jaxpr(j) for j in _param_jaxprs(eqn.params)):
+    if any(True for _ in _compat.sub_jaxprs(eqn.params)):
         return run_unchanged(eqn, invals, ctx)
     return None
-
-
-def _param_jaxprs(params: dict):
-    for val in params.values():
-        yield from val if isinstance(val, (tuple, list)) else (val,)
 
 
 FREE = "free"  # out_dtypes: outputs keep whatever dtype the rewritten body gives

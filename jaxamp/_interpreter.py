@@ -16,17 +16,12 @@ import jax
 import numpy as np
 
 from . import _compat, _reductions
-from ._rules import Rule, cast, cast_cache, default_amp_policy
+from ._dtypes import dtype_of, is_float
+from ._rules import MATMULS, Rule, cast, cast_cache, default_amp_policy
 
 # Scope that marks equations an amp has already rewritten: an enclosing amp
 # treats them as "amp_stop", so the innermost amp decides inside its region.
 AMP_REGION = "jaxamp.amp"
-
-# Matmul-like primitives whose low-precision copies of *held* inputs (see
-# is_held) are recomputed in the backward pass instead of saved as residuals.
-RECOMPUTE_CASTS = frozenset(
-    {"dot_general", "conv_general_dilated", "ragged_dot_general"}
-)
 
 # id -> value of the inputs of the jaxpr being walked that stay alive for the
 # whole step anyway: the amp'd function's arguments and closed-over values
@@ -223,8 +218,9 @@ def _apply_rule(eqn, invals, ctx: AmpContext, scopes) -> Any:
         new_in, new_params = check_rule_result(result, prim, rule, len(vals))
         return _reductions.bind(prim, new_in, new_params)
 
+    # A matmul re-casts held inputs in the backward pass instead of saving copies.
     if (
-        prim.name in RECOMPUTE_CASTS
+        prim.name in MATMULS
         and rule is not ctx.policy.stop_rule  # amp_stop regions stay as traced
         and _casts_only_held(invals, ctx.compute_dtype)
     ):
@@ -240,7 +236,7 @@ def _casts_only_held(invals: Sequence[Any], compute_dtype: np.dtype) -> bool:
         x
         for x in invals
         if isinstance(x, jax.Array)
-        and jax.numpy.issubdtype(x.dtype, jax.numpy.floating)
+        and is_float(dtype_of(x))
         and x.dtype.itemsize > width
     ]
     return bool(wide) and all(is_held(x) for x in wide)

@@ -240,12 +240,11 @@ def _family(rule: Rule, *names: str) -> None:
         default_amp_policy[name] = rule
 
 
-_family(
-    use_compute_precision,
-    "dot_general",
-    "conv_general_dilated",
-    "ragged_dot_general",
-)
+# Matmul-like primitives: the "lower" family, and the ones whose casts of held
+# inputs the interpreter recomputes in the backward pass.
+MATMULS = ("dot_general", "conv_general_dilated", "ragged_dot_general")
+
+_family(use_compute_precision, *MATMULS)
 _family(
     use_full_precision,
     "exp",

@@ -13,7 +13,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import jaxamp
-from jaxamp import _higher_order
+from jaxamp import _compat, _higher_order
 
 BF16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 
@@ -26,8 +26,7 @@ def eqns(closed):
 def _has_dot(eqn):
     return any(
         e.primitive.name == "dot_general"
-        for j in eqn.params.values()
-        if hasattr(j, "eqns") or hasattr(j, "jaxpr")
+        for j in _compat.sub_jaxprs(eqn.params)
         for e, _ in jaxamp.iter_equations(j)
     )
 
