@@ -11,7 +11,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from . import _compat
+from . import _attention, _compat
 from ._dtypes import canonical_dtype
 from ._interpreter import AMP_REGION, AmpContext, AmpPolicy, eval_jaxpr, restore
 from ._policy import cast_to_full_precision
@@ -99,9 +99,10 @@ def amp(
             out_tree.append((out_def, out_static))
             return out_leaves
 
-        closed = _compat.trace_to_closed_jaxpr(
-            flat_fn, [jax.typeof(x) for x in leaves], getattr(fn, "__name__", "amp")
-        )
+        with _attention.intercept():  # attention calls stay recognisable
+            closed = _compat.trace_to_closed_jaxpr(
+                flat_fn, [jax.typeof(x) for x in leaves], getattr(fn, "__name__", "amp")
+            )
         core, consts = _compat.jaxpr_parts(closed)
         with cast_cache(), jax.named_scope(AMP_REGION):
             # The arguments (parameters, batch) and closed-over values are held:

@@ -244,3 +244,41 @@ class _Typed:
 
     def __init__(self, x: Any):
         self.aval = jax.typeof(x).update(dtype=jax.numpy.float32)
+
+
+def nn_functions_module() -> Any:
+    """The module whose globals ``jax.nn.dot_product_attention`` dispatches to
+    (``_dot_product_attention_xla``, ``cudnn_dot_product_attention``), looked up
+    at call time. JAX 0.10 / 0.11: private, ``jax._src.nn.functions``."""
+    from jax._src.nn import functions  # JAX 0.10 / 0.11: private
+
+    return functions
+
+
+def cudnn_mask_is_causal(mask_type: Any) -> bool:
+    """Whether a cuDNN ``MaskType`` is causal (``CAUSAL``/``PADDING_CAUSAL``).
+    JAX 0.10 / 0.11: ``jax._src.cudnn.fused_attention_stablehlo.MaskType``."""
+    return mask_type is not None and "CAUSAL" in getattr(mask_type, "name", "")
+
+
+def cudnn_backend() -> bool:
+    """True when the default backend is an NVIDIA GPU (cuDNN's fused attention
+    can run). JAX 0.10 / 0.11: the CUDA plugin reports ``platform == "gpu"``
+    and a ``platform_version`` naming CUDA; ROCm's names ``rocm``."""
+    if jax.default_backend() != "gpu":
+        return False
+    try:
+        from jax.extend.backend import get_backend
+
+        return "cuda" in get_backend().platform_version.lower()
+    except Exception:  # an unusual plugin: let JAX's own checks decide
+        return True
+
+
+def user_frame(eqn: Any) -> str:
+    """``file:line (function)`` of the user code that traced ``eqn`` (for
+    messages). JAX 0.10 / 0.11: ``source_info_util.summarize`` is private."""
+    try:
+        return _siu.summarize(eqn.source_info)
+    except Exception:
+        return ""

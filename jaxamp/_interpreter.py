@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _compat, _reductions
+from . import _attention, _compat, _reductions
 from ._dtypes import dtype_of, is_float
 from ._rules import MATMULS, Rule, cast, cast_cache, default_amp_policy
 
@@ -87,6 +87,11 @@ class AmpPolicy:
         self._by_prim = by_prim
         self._by_name = by_name
         self._source = dict(amp_policy)
+
+    @property
+    def default_rule(self) -> Rule:
+        """The rule used when nothing in the policy matches (``"amp_default"``)."""
+        return self._default
 
     @property
     def stop_rule(self) -> Rule:
@@ -190,8 +195,11 @@ def eval_jaxpr(
 def _eval_eqns(jaxpr: Any, env: dict, ctx: AmpContext) -> list[Any]:
     from ._higher_order import rewrite_equation  # cycle: structure uses mechanism
 
+    fusions = _attention.Fusions(jaxpr)  # matched attention (issue 12)
     with cast_cache():
-        for eqn in jaxpr.eqns:
+        for i, eqn in enumerate(jaxpr.eqns):
+            if fusions.handled(i, eqn, env, ctx):
+                continue
             invals = [_read(env, v) for v in eqn.invars]
             scopes = ctx.scopes + _compat.scope_names(eqn)
             with _compat.eqn_context(eqn):
