@@ -16,6 +16,8 @@ from ._analysis import low_precision_flop_share as low_precision_flop_share
 from ._analysis import matmul_flops_by_dtype as matmul_flops_by_dtype
 from ._analysis import primitive_dtypes as primitive_dtypes
 from ._analysis import saved_residual_bytes as saved_residual_bytes
+from ._attention import AttentionRule as AttentionRule
+from ._attention import attention_rule as attention_rule
 from ._fp8 import fp8_amp_policy as fp8_amp_policy
 from ._fp8 import fp8_dot_general as fp8_dot_general
 from ._fp8 import fp8_policy as fp8_policy
@@ -53,6 +55,7 @@ from ._scaler import dynamic_scale_value_and_grad as dynamic_scale_value_and_gra
 __version__ = "0.1.0"
 
 __all__ = (
+    "AttentionRule",
     "DynamicScalerState",
     "Policy",
     "SkipNonFiniteState",
@@ -60,6 +63,7 @@ __all__ = (
     "all_finite",
     "amp",
     "amp_stop",
+    "attention_rule",
     "cast_to_bfloat16",
     "cast_to_float16",
     "cast_to_float32",

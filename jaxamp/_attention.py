@@ -214,37 +214,86 @@ def _install() -> None:
     _ORIGINALS["cudnn"] = cudnn = mod.cudnn_dot_product_attention
 
     @functools.wraps(xla)
-    def xla_wrapper(query, key, value, bias, mask, is_causal, scale, q_seqlen,
-                    kv_seqlen, local_window_size, return_residual=False):  # fmt: skip
+    def xla_wrapper(
+        query,
+        key,
+        value,
+        bias,
+        mask,
+        is_causal,
+        scale,
+        q_seqlen,
+        kv_seqlen,
+        local_window_size,
+        return_residual=False,
+    ):
         if not _INTERCEPTING.get() or return_residual or not _wide(query, key, value):
-            return xla(query, key, value, bias, mask, is_causal, scale, q_seqlen,
-                       kv_seqlen, local_window_size, return_residual)  # fmt: skip
-        spec = _Spec(None, bool(is_causal), float(scale),
-                     _window(local_window_size), bias is not None, mask is not None,
-                     q_seqlen is not None, kv_seqlen is not None,
-                     _call_site())  # fmt: skip
+            return xla(
+                query,
+                key,
+                value,
+                bias,
+                mask,
+                is_causal,
+                scale,
+                q_seqlen,
+                kv_seqlen,
+                local_window_size,
+                return_residual,
+            )
+        spec = _Spec(
+            None,
+            bool(is_causal),
+            float(scale),
+            _window(local_window_size),
+            bias is not None,
+            mask is not None,
+            q_seqlen is not None,
+            kv_seqlen is not None,
+            _call_site(),
+        )
         return _emit(spec, query, key, value, bias, mask, q_seqlen, kv_seqlen)
 
     @functools.wraps(cudnn)
-    def cudnn_wrapper(query, key, value, bias=None, mask=None, q_seqlen=None,
-                      kv_seqlen=None, *args, **kwargs):  # fmt: skip
+    def cudnn_wrapper(
+        query,
+        key,
+        value,
+        bias=None,
+        mask=None,
+        q_seqlen=None,
+        kv_seqlen=None,
+        *args,
+        **kwargs,
+    ):
         plain = not args and set(kwargs) <= {
-            "scale", "mask_type", "sliding_window_length", "return_residual"
-        }  # fmt: skip
+            "scale",
+            "mask_type",
+            "sliding_window_length",
+            "return_residual",
+        }
         if (
             not _INTERCEPTING.get()
             or not plain
             or kwargs.get("return_residual", False)
             or not _wide(query, key, value)
         ):
-            return cudnn(query, key, value, bias, mask, q_seqlen, kv_seqlen,
-                         *args, **kwargs)  # fmt: skip
+            return cudnn(
+                query, key, value, bias, mask, q_seqlen, kv_seqlen, *args, **kwargs
+            )
         causal = _compat.cudnn_mask_is_causal(kwargs.get("mask_type"))
         sw = kwargs.get("sliding_window_length")
-        spec = _Spec("cudnn", causal, float(kwargs.get("scale", 1.0)),
-                     None if sw is None else (int(sw) - 1, 0), bias is not None,
-                     mask is not None, q_seqlen is not None,
-                     kv_seqlen is not None, _call_site())  # fmt: skip
+        spec = _Spec(
+            "cudnn",
+            causal,
+            float(kwargs.get("scale", 1.0)),
+            None if sw is None else (int(sw) - 1, 0),
+            bias is not None,
+            mask is not None,
+            q_seqlen is not None,
+            kv_seqlen is not None,
+            _call_site(),
+        )
         return _emit(spec, query, key, value, bias, mask, q_seqlen, kv_seqlen)
 
     mod._dot_product_attention_xla = xla_wrapper
@@ -288,8 +337,18 @@ def _marked_fn(idx: int):
 
     def body(*arrays):
         q, k, v, bias, mask, qs, kvs = _unpack(spec, arrays)
-        return _ORIGINALS["xla"](q, k, v, bias, mask, spec.is_causal, spec.scale,
-                                 qs, kvs, spec.local_window_size)  # fmt: skip
+        return _ORIGINALS["xla"](
+            q,
+            k,
+            v,
+            bias,
+            mask,
+            spec.is_causal,
+            spec.scale,
+            qs,
+            kvs,
+            spec.local_window_size,
+        )
 
     body.__name__ = body.__qualname__ = f"{_MARK}{idx}"
     return jax.jit(body)
@@ -429,13 +488,29 @@ def _bind_cudnn(q, k, v, bias, mask, **kwargs):
         bias = cast(bias, q.dtype) if is_float(bias.dtype) else bias
     with _not_intercepting(), jax.numpy_dtype_promotion("standard"):
         return jax.nn.dot_product_attention(
-            q, k, v, _full_ts(bias, T, S), _full_ts(mask, T, S),
-            implementation="cudnn", **kwargs,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            _full_ts(bias, T, S),
+            _full_ts(mask, T, S),
+            implementation="cudnn",
+            **kwargs,
+        )
 
 
-def _bind_xla(q, k, v, bias, mask, *, scale, is_causal, query_seq_lengths,
-              key_value_seq_lengths, local_window_size):  # fmt: skip
+def _bind_xla(
+    q,
+    k,
+    v,
+    bias,
+    mask,
+    *,
+    scale,
+    is_causal,
+    query_seq_lengths,
+    key_value_seq_lengths,
+    local_window_size,
+):
     """The XLA path: float32 logits and softmax, p·v in the dtype of ``v``.
 
     Same computation as JAX's ``_dot_product_attention_xla`` (masks, GQA,
@@ -455,9 +530,14 @@ def _bind_xla(q, k, v, bias, mask, *, scale, is_causal, query_seq_lengths,
     if bias is not None:
         logits = logits + bias.astype(f32)
     keep = _combined_mask(
-        mask, is_causal, query_seq_lengths, key_value_seq_lengths,
-        local_window_size, T, S,
-    )  # fmt: skip
+        mask,
+        is_causal,
+        query_seq_lengths,
+        key_value_seq_lengths,
+        local_window_size,
+        T,
+        S,
+    )
     if keep is not None:
         logits = jnp.where(
             keep, logits, jnp.asarray(-0.7 * np.finfo(np.float32).max, f32)
@@ -597,33 +677,52 @@ class _Pieces:
     q: Any = None
     k: Any = None
     v: Any = None
-    qk_dims: Any = None
+    qdims: Any = None  # (batch dims, contracting dims) of q
+    kdims: Any = None
     pv_dims: Any = None
     p_is_lhs: bool = True
     scale: Any = None  # (var or literal, "mul" | "div")
     bias: Any = None  # (var, chain of broadcast_in_dim params)
     mask: Any = None  # (var, chain, inverted)
     out_shape: tuple = ()
+    perm: tuple | None = None  # transpose of the logits after the q·k product
 
 
 def _match_from(g: _Graph, i0: int) -> _Group | None:
     """Match the hand-written form starting at the q·k ``dot_general`` ``i0``."""
     qk = g.eqn(i0)
     (lc, rc), (lb, rb) = qk.params["dimension_numbers"]
-    q, k = qk.invars
-    if isinstance(q, _compat.Literal) or isinstance(k, _compat.Literal):
+    lhs, rhs = qk.invars
+    if isinstance(lhs, _compat.Literal) or isinstance(rhs, _compat.Literal):
         return None
-    if not (_is_float_var(q) and _is_float_var(k)) or len(lc) != 1:
+    if not (_is_float_var(lhs) and _is_float_var(rhs)) or len(lc) != 1:
         return None
-    k_free = [d for d in range(len(_shape(k))) if d not in (*rb, *rc)]
-    if len(k_free) != 1:
-        return None
+    nb = len(lb)
+    l_free = [d for d in range(len(_shape(lhs))) if d not in (*lb, *lc)]
+    r_free = [d for d in range(len(_shape(rhs))) if d not in (*rb, *rc)]
     logits = qk.outvars[0]
     rank = len(_shape(logits))
     axis = rank - 1
-    pieces = _Pieces(q=q, k=k, qk_dims=qk.params["dimension_numbers"])
     members = [i0]
     x = logits
+    perm = tuple(range(rank))  # logits layout axis -> dot_general output axis
+    j = g.single_user(x)
+    if j is not None and g.eqn(j).primitive.name == "transpose":
+        # einsum with an output order other than dot_general's
+        perm = tuple(int(d) for d in g.eqn(j).params["permutation"])
+        members.append(j)
+        x = g.eqn(j).outvars[0]
+    # The key is the operand whose one free axis the softmax runs over (last).
+    if len(r_free) == 1 and perm[-1] == rank - 1:
+        q, k, qd, kd = lhs, rhs, (lb, lc), (rb, rc)
+        to_canon = list(range(rank))
+    elif len(l_free) == 1 and perm[-1] == nb:  # key on the left: (b, S, t...)
+        q, k, qd, kd = rhs, lhs, (rb, rc), (lb, lc)
+        to_canon = [*range(nb), rank - 1, *range(nb, rank - 1)]
+    else:
+        return None
+    pieces = _Pieces(q=q, k=k, qdims=qd, kdims=kd)
+    pieces.perm = tuple(to_canon[d] for d in perm)  # layout axis -> canonical
     stage = 0  # 0: scale allowed; 1: bias/mask allowed; then softmax
     while True:
         j = g.single_user(x)
@@ -648,7 +747,7 @@ def _match_from(g: _Graph, i0: int) -> _Group | None:
         if stage == 0 and name in ("mul", "div") and pieces.scale is None:
             other = _other(e, x, allow_first=name == "mul")
             if other is not None and _shape(other) == () and _is_float_var(other):
-                pieces.scale = (other, name)
+                pieces.scale = (other, name, _const_scalar(g, other))
                 members.append(j)
                 x = e.outvars[0]
                 stage = 1
@@ -656,7 +755,12 @@ def _match_from(g: _Graph, i0: int) -> _Group | None:
             return None
         if name == "add" and pieces.bias is None:
             other = _other(e, x, allow_first=True)
-            if other is None or not _is_float_var(other):
+            if (
+                other is None
+                or isinstance(other, _compat.Literal)
+                or not _is_float_var(other)
+                or not _broadcastable(_shape(other), _shape(x))
+            ):
                 return None
             pieces.bias = _peel_broadcasts(g, other)
             members.append(j)
@@ -704,6 +808,11 @@ def _match_from(g: _Graph, i0: int) -> _Group | None:
     return _Group(idx, functools.partial(_run_hand, pieces), scopes=scopes)
 
 
+def _broadcastable(a: tuple, b: tuple) -> bool:
+    """Same rank, each dim equal or 1 (lax's implicit size-1 broadcasting)."""
+    return len(a) == len(b) and all(x in (y, 1) for x, y in zip(a, b))
+
+
 def _other(e: Any, x: Any, allow_first: bool) -> Any:
     a, b = e.invars
     if a is x and b is not x:
@@ -722,8 +831,17 @@ def _is_softmax_call(e: Any, x: Any, axis: int) -> bool:
     info = getattr(core, "debug_info", None)
     if "_softmax" not in str(getattr(info, "func_src_info", "")):
         return False
-    allowed = {"reduce_max", "convert_element_type", "max", "broadcast_in_dim",
-               "stop_gradient", "sub", "exp", "reduce_sum", "div"}  # fmt: skip
+    allowed = {
+        "reduce_max",
+        "convert_element_type",
+        "max",
+        "broadcast_in_dim",
+        "stop_gradient",
+        "sub",
+        "exp",
+        "reduce_sum",
+        "div",
+    }
     names = [q.primitive.name for q in core.eqns]
     if not set(names) <= allowed or names.count("exp") != 1:
         return False
@@ -748,8 +866,9 @@ def _inline_softmax(g: _Graph, x: Any, axis: int):
     if tuple(int(a) for a in rm.params["axes"]) != (axis,) or sub.invars[0] is not x:
         return None
     members = [by["reduce_max"], by["sub"]]
-    chain = _follow(g, rm.outvars[0], {"max", "broadcast_in_dim", "stop_gradient"},
-                    sub, members)  # fmt: skip
+    chain = _follow(
+        g, rm.outvars[0], {"max", "broadcast_in_dim", "stop_gradient"}, sub, members
+    )
     if chain is None:
         return None
     j = g.single_user(sub.outvars[0])
@@ -805,6 +924,30 @@ def _const_value(g: _Graph | None, v: Any) -> Any:
         v = e.invars[0]
 
 
+_CONST_OPS = ("sqrt", "rsqrt", "convert_element_type", "mul", "div", "integer_pow",
+              "pow", "neg")  # fmt: skip
+
+
+def _const_scalar(g: _Graph, v: Any, depth: int = 0) -> float | None:
+    """A scalar computed from literals only (``jnp.sqrt(16.0)``), as a float."""
+    if isinstance(v, _compat.Literal):
+        return float(np.asarray(v.val))
+    if depth > 8 or v not in g.producer:
+        return None
+    e = g.eqn(g.producer[v])
+    if e.primitive.name not in _CONST_OPS or len(e.outvars) != 1:
+        return None
+    vals = [_const_scalar(g, x, depth + 1) for x in e.invars]
+    if any(x is None for x in vals):
+        return None
+    args = [np.asarray(x, x_.aval.dtype) for x, x_ in zip(vals, e.invars)]
+    with jax.ensure_compile_time_eval():
+        out = _compat.bind(
+            e.primitive, args, _compat.bind_params(e.primitive, e.params)
+        )
+    return float(np.asarray(out))
+
+
 def _is_fill(value: Any) -> bool:
     return value is not None and float(value) <= _MASK_FILL_MAX
 
@@ -852,10 +995,17 @@ def _where_jit_mask(g: _Graph, e: Any, x: Any):
         return None
     prod = {ov: q for q in core.eqns for ov in q.outvars}
     fill_src = _trace_back(prod, fill)
-    if fill_src is None or not _is_fill(_const_value(g, outer.get(fill_src[0]))):
+    if fill_src is None:
+        return None
+    src = fill_src[0]
+    if not isinstance(src, _compat.Literal):
+        src = outer.get(src)
+    if src is None or not _is_fill(_const_value(g, src)):
         return None
     pred_src = _trace_back(prod, pred)
-    if pred_src is None or pred_src[0] not in outer:
+    if pred_src is None or isinstance(pred_src[0], _compat.Literal):
+        return None
+    if pred_src[0] not in outer:
         return None
     src, chain = pred_src
     ov = outer[src]
@@ -868,15 +1018,13 @@ def _trace_back(prod: dict, v: Any):
     """(source var, broadcast chain outermost-last) through broadcast_in_dim and
     convert_element_type equations of one jaxpr."""
     chain = []
-    while v in prod:
+    while not isinstance(v, _compat.Literal) and v in prod:
         q = prod[v]
         if q.primitive.name == "broadcast_in_dim":
             chain.append((tuple(q.params["shape"]), q.params["broadcast_dimensions"]))
         elif q.primitive.name != "convert_element_type":
             return None
         v = q.invars[0]
-    if isinstance(v, _compat.Literal):
-        return None
     return v, tuple(reversed(chain))
 
 
@@ -884,7 +1032,7 @@ def _peel_broadcasts(g: _Graph, v: Any):
     """(source var, chain): the value before ``broadcast_in_dim`` equations, so
     a broadcast mask or bias reaches the kernel unexpanded."""
     chain = []
-    while v in g.producer:
+    while not isinstance(v, _compat.Literal) and v in g.producer:
         e = g.eqn(g.producer[v])
         if e.primitive.name != "broadcast_in_dim" or len(e.invars) != 1:
             break
@@ -908,9 +1056,10 @@ def _pv_ok(e: Any, p: Any, rank: int, nb: int, pieces: _Pieces) -> bool:
         return False
     if isinstance(v, _compat.Literal) or not _is_float_var(v):
         return False
-    if tuple(pc) != (rank - 1,) or len(vc) != 1:
+    perm = pieces.perm
+    if tuple(perm[d] for d in pc) != (rank - 1,) or len(vc) != 1:
         return False
-    if sorted(int(d) for d in pb) != list(range(nb)):
+    if sorted(perm[d] for d in pb) != list(range(nb)):
         return False
     v_free = [d for d in range(len(_shape(v))) if d not in (*vb, *vc)]
     if len(v_free) != 1:
@@ -957,7 +1106,7 @@ def _merge(x: Any, full: tuple, groups: list[list[int]]) -> Any:
 
 
 def _run_hand(pieces: _Pieces, read, compute_dtype, mode, where):
-    (lc, rc), (lb, rb) = pieces.qk_dims
+    (lb, lc), (rb, rc) = pieces.qdims, pieces.kdims
     q, k, v = read(pieces.q), read(pieces.k), read(pieces.v)
     nb = len(lb)
     q_free = [d for d in range(q.ndim) if d not in (*lb, *lc)]
@@ -966,7 +1115,9 @@ def _run_hand(pieces: _Pieces, read, compute_dtype, mode, where):
     kc = jnp.transpose(k, (*rb, *k_free, *rc))
     (c0, c1), (b0, b1) = pieces.pv_dims
     pb, vb, vc = (b0, b1, c1) if pieces.p_is_lhs else (b1, b0, c0)
-    v_batch = [vb[list(pb).index(i)] for i in range(nb)]
+    lperm = pieces.perm
+    pb = [lperm[d] for d in pb]  # p's batch dims as axes of the natural logits
+    v_batch = [vb[pb.index(i)] for i in range(nb)]
     v_free = [d for d in range(v.ndim) if d not in (*vb, *vc)]
     vcan = jnp.transpose(v, (*v_batch, *vc, *v_free))
     batch = qc.shape[:nb]
@@ -985,31 +1136,39 @@ def _run_hand(pieces: _Pieces, read, compute_dtype, mode, where):
 
     scale = 1.0
     if pieces.scale is not None:
-        var, op = pieces.scale
-        if isinstance(var, _compat.Literal):
-            c = float(np.asarray(var.val))
-            scale = 1.0 / c if op == "div" else c
+        var, op, const = pieces.scale
+        if const is not None:
+            scale = 1.0 / const if op == "div" else const
         else:  # a traced scalar: fold it into q (in q's dtype, before the cast)
             c = read(var).astype(qc.dtype)
             qc = qc / c if op == "div" else qc * c
     bias = mask = None
+    inverse = tuple(int(i) for i in np.argsort(lperm))  # logits layout -> natural
     if pieces.bias is not None:
         src, chain = pieces.bias
-        bias = _merge(_expand(read(src), chain), logits_shape, groups)
+        b = jnp.transpose(_expand(read(src), chain), inverse)
+        bias = _merge(b, logits_shape, groups)
     if pieces.mask is not None:
         src, chain, inverted = pieces.mask
-        m = _expand(read(src), chain)
+        m = jnp.transpose(_expand(read(src), chain), inverse)
         mask = _merge(jnp.logical_not(m) if inverted else m, logits_shape, groups)
     out = dispatch(
-        bthn(qc, T), bthn(kc, S), bthn(vcan, S), bias, mask,
-        compute_dtype=compute_dtype, mode=mode, scale=scale, where=where,
-    )  # fmt: skip
+        bthn(qc, T),
+        bthn(kc, S),
+        bthn(vcan, S),
+        bias,
+        mask,
+        compute_dtype=compute_dtype,
+        mode=mode,
+        scale=scale,
+        where=where,
+    )
     # (B, T, N, Hv) -> (batch..., q free..., Hv) -> the p·v equation's layout
     out = jnp.transpose(out, (0, 2, 1, 3)).reshape((*logits_shape[:-1], out.shape[-1]))
-    nq = len(logits_shape) - 1 - nb
-    hv = nb + nq
-    perm = [int(d) for d in pb]
-    perm += [*range(nb, hv), hv] if pieces.p_is_lhs else [hv, *range(nb, hv)]
+    hv = len(logits_shape) - 1
+    # p's free dims in the order they have in the (transposed) logits
+    p_free = [lperm[d] for d in range(hv + 1) if lperm[d] not in (*pb, hv)]
+    perm = [*pb, *p_free, hv] if pieces.p_is_lhs else [*pb, hv, *p_free]
     return jnp.transpose(out, perm)
 
 
@@ -1019,11 +1178,21 @@ def _run_marked(eqn: Any, spec: _Spec, read, compute_dtype, mode, where):
     if any(getattr(x, "ndim", 0) != 4 for x in (q, k, v)):  # e.g. batched by vmap
         return None
     out = dispatch(
-        q, k, v, bias, mask, qs, kvs, compute_dtype=compute_dtype, mode=mode,
-        scale=spec.scale, is_causal=spec.is_causal,
-        local_window_size=spec.local_window_size, requested=spec.requested,
+        q,
+        k,
+        v,
+        bias,
+        mask,
+        qs,
+        kvs,
+        compute_dtype=compute_dtype,
+        mode=mode,
+        scale=spec.scale,
+        is_causal=spec.is_causal,
+        local_window_size=spec.local_window_size,
+        requested=spec.requested,
         where=spec.where,
-    )  # fmt: skip
+    )
     return [out]
 
 
@@ -1100,8 +1269,16 @@ def _as_traced(eqn: Any, env: dict) -> Any:
     q, k, v, bias, mask, qs, kvs = _unpack(spec, vals)
     with _not_intercepting():
         out = jax.nn.dot_product_attention(
-            q, k, v, bias, mask, scale=spec.scale, is_causal=spec.is_causal,
-            query_seq_lengths=qs, key_value_seq_lengths=kvs,
-            local_window_size=spec.local_window_size, implementation="cudnn",
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            bias,
+            mask,
+            scale=spec.scale,
+            is_causal=spec.is_causal,
+            query_seq_lengths=qs,
+            key_value_seq_lengths=kvs,
+            local_window_size=spec.local_window_size,
+            implementation="cudnn",
+        )
     return [out]
