@@ -33,7 +33,6 @@ forces an implementation; ``amp_stop`` regions are left alone.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import functools
 import math
@@ -173,9 +172,8 @@ class _Spec:
 
 _SPECS: list[_Spec] = []
 _SPEC_INDEX: dict[_Spec, int] = {}
-_INTERCEPTING: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "jaxamp_attention_intercepting", default=False
-)
+# Thread-local, and part of JAX's trace/jit cache keys (see _compat).
+_INTERCEPTING = _compat.ATTENTION_INTERCEPT
 _ORIGINALS: dict[str, Any] = {}
 
 
@@ -184,20 +182,14 @@ def intercept():
     """While active (in this thread/context), ``jax.nn.dot_product_attention``
     on float32 q/k/v is emitted as one recognisable equation (module doc)."""
     _install()
-    token = _INTERCEPTING.set(True)
-    try:
+    with _INTERCEPTING(True):
         yield
-    finally:
-        _INTERCEPTING.reset(token)
 
 
 @contextlib.contextmanager
 def _not_intercepting():
-    token = _INTERCEPTING.set(False)
-    try:
+    with _INTERCEPTING(False):
         yield
-    finally:
-        _INTERCEPTING.reset(token)
 
 
 def _install() -> None:
@@ -227,7 +219,7 @@ def _install() -> None:
         local_window_size,
         return_residual=False,
     ):
-        if not _INTERCEPTING.get() or return_residual or not _wide(query, key, value):
+        if not _INTERCEPTING.value or return_residual or not _wide(query, key, value):
             return xla(
                 query,
                 key,
@@ -273,7 +265,7 @@ def _install() -> None:
             "return_residual",
         }
         if (
-            not _INTERCEPTING.get()
+            not _INTERCEPTING.value
             or not plain
             or kwargs.get("return_residual", False)
             or not _wide(query, key, value)

@@ -282,3 +282,28 @@ def user_frame(eqn: Any) -> str:
         return _siu.summarize(eqn.source_info)
     except Exception:
         return ""
+
+
+def _attention_state() -> Any:
+    """A thread-local JAX config state that is part of JAX's trace and jit cache
+    keys: set while amp traces the user's function, so a function traced with
+    attention interception (``jaxamp._attention``) is never served from, or
+    into, JAX's caches for code traced without it (a jitted or scanned layer
+    traced outside amp first would otherwise reach amp unrecognisable).
+    JAX 0.10 / 0.11: ``jax._src.config.bool_state`` is private."""
+    from jax._src import config as _config  # JAX 0.10 / 0.11: private
+
+    name = "jaxamp_attention_intercept"
+    existing = getattr(_config, "config_states", {}).get(name)
+    if existing is not None:  # module reloaded
+        return existing
+    return _config.bool_state(
+        name,
+        False,
+        help="jaxamp: jax.nn.dot_product_attention is being intercepted.",
+        include_in_jit_key=True,
+        include_in_trace_context=True,
+    )
+
+
+ATTENTION_INTERCEPT = _attention_state()

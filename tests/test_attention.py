@@ -151,6 +151,21 @@ def _reference_scan_loss(w, x):
     return jnp.sum(h**2)
 
 
+def test_layer_traced_outside_amp_first_is_still_fused():
+    """JAX caches the trace of a scanned/jitted layer; the interception is part
+    of its cache key, so a layer first traced in float32 is fused under amp."""
+    q, k, v = _qkv()
+
+    @jax.jit
+    def layer(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+    fn = lambda q, k, v: layer(q, k, v) * 2.0
+    fn(q, k, v)  # traced and cached without amp
+    _check_fused(fn, (q, k, v))
+    assert ((F32, F32), F32) in _dots(fn, q, k, v)  # and back, unchanged
+
+
 def test_outside_amp_jax_is_unchanged():
     q, k, v = _qkv()
     fn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)

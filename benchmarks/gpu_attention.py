@@ -1,0 +1,359 @@
+"""Fused attention under amp: one GPT training step on a GPU (issue 12).
+
+    python benchmarks/gpu_attention.py                      # both GPU models
+    python benchmarks/gpu_attention.py --size tiny --dry-run --out /tmp/r.md
+
+GPT-style model: layers in ``lax.scan`` with ``jax.checkpoint``, causal
+attention through ``jax.nn.dot_product_attention``, LayerNorm, GELU MLP, tied
+embedding, cross-entropy; ``value_and_grad`` plus an SGD update with the
+parameters donated. Models (d_model, layers, seq, batch, heads, vocab):
+``gpt1024`` (1024, 12, 1024, 8, 16, 8192) and ``gpt2048`` (2048, 8, 512, 16,
+16, 8192); ``tiny`` for the CPU smoke run.
+
+Variants: ``fp32``; ``jaxamp bf16`` / ``jaxamp fp16`` over the float32 model
+(``implementation=None``: amp re-dispatches the attention); ``jaxamp bf16,
+model asks cudnn`` (the model says ``implementation="cudnn"``); ``jaxamp bf16,
+attention off`` (``attention_rule("off")``: the attention as before issue 12);
+``hand bf16 xla`` / ``hand bf16 cudnn`` (parameters cast to bfloat16 at the top
+of the loss, float32 LayerNorm statistics and loss); the cast-everything peers
+``jmp bf16`` and ``mpx bf16`` (they cast parameters and run the float32 model's
+code, so their attention is the XLA path on bfloat16).
+
+Columns: step time (median of ``--rounds`` interleaved rounds of ``--steps``
+steps), tokens/s, MFU against 989 TFLOP/s (model FLOPs: 6 x matmul parameters x
+tokens plus 12 x B x T^2 x d per layer for attention, no recompute), XLA's
+temp bytes (``compiled.memory_analysis().temp_size_in_bytes``), gradient
+relative L2 error and loss difference against float32 computed at
+``precision="highest"``, and the kernels the compiled HLO calls: custom-call
+sites of cuDNN fused attention (``__cudnn$fmha...``, forward / backward) and of
+cuBLAS (``__cublas$...``). Inside the scanned layer one forward and one backward
+site run once per layer.
+
+Writes ``--out`` (Markdown, default ``benchmarks/RESULTS_GPU.md``) and the same
+rows as JSON next to it. ``--dry-run``: one step, one round, no timing claims;
+variants that need cuDNN are reported as unavailable where the backend has
+none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's
+import jaxamp  # noqa: E402
+
+SIZES = {  # d_model, layers, seq, batch, heads, vocab
+    "tiny": (64, 2, 32, 2, 4, 128),
+    "gpt1024": (1024, 12, 1024, 8, 16, 8192),
+    "gpt2048": (2048, 8, 512, 16, 16, 8192),
+}
+PEAK = 989e12  # H100 SXM dense bf16 FLOP/s (datasheet)
+BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
+
+
+def init(size: str, seed: int = 0):
+    """float32 parameters pre-rounded to bfloat16, and an int32 batch."""
+    d, L, T, B, _, V = SIZES[size]
+    ks = jax.random.split(jax.random.key(seed), 8)
+
+    def n(k, shape, scale):
+        return (jax.random.normal(k, shape) * scale).astype(BF16).astype(F32)
+
+    params = {
+        "emb": n(ks[0], (V, d), 0.02),
+        "pos": n(ks[1], (T, d), 0.01),
+        "layers": {
+            "ln1": jnp.ones((L, d)),
+            "qkv": n(ks[2], (L, d, 3 * d), d**-0.5),
+            "o": n(ks[3], (L, d, d), (2 * L * d) ** -0.5),
+            "ln2": jnp.ones((L, d)),
+            "up": n(ks[4], (L, d, 4 * d), d**-0.5),
+            "down": n(ks[5], (L, 4 * d, d), (8 * L * d) ** -0.5),
+        },
+        "lnf": jnp.ones(d),
+    }
+    tok = jax.random.randint(ks[6], (B, T + 1), 0, V)
+    return params, tok[:, :-1], tok[:, 1:]
+
+
+def model_flops(size: str) -> float:
+    """Forward + backward FLOPs of one step (no recompute)."""
+    d, L, T, B, _, V = SIZES[size]
+    matmul_params = L * 12 * d * d + V * d
+    return 6 * matmul_params * B * T + 12 * B * T * T * d * L
+
+
+def _ln(x, g, f32_stats):
+    xs = x.astype(F32) if f32_stats else x
+    m = xs.mean(-1, keepdims=True)
+    v = jnp.square(xs - m).mean(-1, keepdims=True)
+    return ((xs - m) * jax.lax.rsqrt(v + 1e-5)).astype(x.dtype) * g
+
+
+def make_loss(size: str, implementation: str | None, hand: bool) -> Callable:
+    """``loss(params, x, y)``; ``hand``: bfloat16 parameters and activations
+    with float32 LayerNorm statistics and loss, written by hand."""
+    _, _, T, B, H, _ = SIZES[size]
+
+    def block(x, w):
+        h = _ln(x, w["ln1"], hand)
+        q, k, v = jnp.split(h @ w["qkv"], 3, -1)
+        sh = lambda t: t.reshape(B, T, H, -1)
+        a = jax.nn.dot_product_attention(
+            sh(q), sh(k), sh(v), is_causal=True, implementation=implementation
+        )
+        x = x + a.reshape(B, T, -1) @ w["o"]
+        h = _ln(x, w["ln2"], hand)
+        return x + jax.nn.gelu(h @ w["up"]) @ w["down"], None
+
+    def loss(params, x, y):
+        p = jaxamp.cast_to_bfloat16(params) if hand else params
+        h = p["emb"][x] + p["pos"]
+        h, _ = jax.lax.scan(jax.checkpoint(block), h, p["layers"])
+        logits = (_ln(h, p["lnf"], hand) @ p["emb"].T).astype(F32)
+        lse = jax.nn.logsumexp(logits, -1)
+        gold = jnp.take_along_axis(logits, y[..., None], -1)[..., 0]
+        return (lse - gold).mean()
+
+    return loss
+
+
+def variants(size: str) -> dict[str, Callable | str]:
+    """name -> loss, or a string saying why the variant is missing."""
+    base = make_loss(size, None, hand=False)
+    off = {**jaxamp.default_amp_policy, "attention": jaxamp.attention_rule("off")}
+    out: dict[str, Callable | str] = {
+        "fp32": base,
+        "jaxamp bf16": jaxamp.amp(base, compute_dtype=BF16),
+        "jaxamp fp16": jaxamp.amp(base, compute_dtype=F16),
+        "jaxamp bf16, model asks cudnn": jaxamp.amp(
+            make_loss(size, "cudnn", hand=False), compute_dtype=BF16
+        ),
+        "jaxamp bf16, attention off": jaxamp.amp(
+            base, compute_dtype=BF16, amp_policy=off
+        ),
+        "hand bf16 xla": make_loss(size, "xla", hand=True),
+        "hand bf16 cudnn": make_loss(size, "cudnn", hand=True),
+    }
+    try:
+        import jmp
+
+        policy = jmp.get_policy("p=f32,c=bf16,o=f32")
+        out["jmp bf16"] = lambda p, x, y: policy.cast_to_output(
+            base(policy.cast_to_compute(p), x, y)
+        )
+    except ImportError as e:
+        out["jmp bf16"] = f"missing: {e} (pip install -e '.[bench]')"
+    try:
+        import mpx
+
+        mpx.set_half_precision_datatype(BF16)
+
+        def mpx_loss(p, x, y):
+            p, x = mpx.cast_to_half_precision((p, x))
+            return base(p, x, y).astype(F32)
+
+        out["mpx bf16"] = mpx_loss
+    except ImportError as e:
+        out["mpx bf16"] = f"missing: {e} (pip install -e '.[bench]')"
+    return out
+
+
+def kernels(hlo: str) -> dict[str, int]:
+    """Custom-call sites in compiled HLO text: cuDNN attention fwd/bwd, cuBLAS."""
+    targets = re.findall(r'custom_call_target="([^"]+)"', hlo)
+    fmha = [t for t in targets if t.startswith("__cudnn$fmha")]
+    return {
+        "fmha_fwd": sum("Backward" not in t for t in fmha),
+        "fmha_bwd": sum("Backward" in t for t in fmha),
+        "cublas": sum(t.startswith("__cublas") for t in targets),
+    }
+
+
+def _rel_l2(g, ref) -> float:
+    num = sum(
+        float(jnp.sum(jnp.square(a.astype(F32) - b.astype(F32))))
+        for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref))
+    )
+    den = sum(float(jnp.sum(jnp.square(b.astype(F32)))) for b in jax.tree.leaves(ref))
+    return (num / den) ** 0.5
+
+
+def _unavailable(e: Exception) -> str:
+    return f"unavailable on {jax.default_backend()}: {type(e).__name__}: {e}"[:160]
+
+
+def measure(
+    size: str, steps: int, rounds: int, only: list[str] | None = None
+) -> list[dict]:
+    """One row per variant (fp32 first), timed in interleaved rounds."""
+    params, x, y = init(size)
+    d, L, T, B, _, V = SIZES[size]
+    with jax.default_matmul_precision("highest"):
+        ref_loss, ref_grads = jax.jit(jax.value_and_grad(make_loss(size, None, False)))(
+            params, x, y
+        )
+    rows: dict[str, dict] = {}
+    steps_fn: dict[str, Callable] = {}
+    for name, loss in variants(size).items():
+        if only and name not in only and name != "fp32":
+            continue
+        if isinstance(loss, str):
+            rows[name] = {"variant": name, "missing": loss}
+            continue
+        vg = jax.value_and_grad(loss)
+
+        def step(p, x, y, vg=vg):
+            value, g = vg(p, x, y)
+            return jax.tree.map(lambda a, b: a - 1e-3 * b, p, g), value
+
+        try:
+            with _warnings_quiet():
+                t0 = time.perf_counter()
+                lowered = jax.jit(step, donate_argnums=0).lower(params, x, y)
+                compiled = lowered.compile()
+                compile_s = time.perf_counter() - t0
+                value, grads = jax.jit(vg)(params, x, y)
+        except Exception as e:  # e.g. cuDNN asked for on a backend without it
+            rows[name] = {"variant": name, "missing": _unavailable(e)}
+            continue
+        mem = compiled.memory_analysis()
+        rows[name] = {
+            "variant": name,
+            "compile_s": compile_s,
+            "temp_mib": getattr(mem, "temp_size_in_bytes", 0) / 2**20,
+            "grad_rel_l2": _rel_l2(grads, ref_grads),
+            "loss_diff": abs(float(value) - float(ref_loss)),
+            **kernels(compiled.as_text()),
+        }
+        steps_fn[name] = compiled
+    times: dict[str, list[float]] = {n: [] for n in steps_fn}
+    for _ in range(rounds):  # interleaved: every variant sees the same machine
+        for name, compiled in steps_fn.items():
+            p = jax.tree.map(jnp.copy, params)
+            p, _ = compiled(p, x, y)  # warm-up
+            jax.block_until_ready(p)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                p, _ = compiled(p, x, y)
+            jax.block_until_ready(p)
+            times[name].append((time.perf_counter() - t0) / steps)
+    flops = model_flops(size)
+    for name, ts in times.items():
+        s = statistics.median(ts)
+        rows[name].update(step_ms=1e3 * s, tokens_per_s=B * T / s, mfu=flops / s / PEAK)
+    fp32 = rows["fp32"].get("step_ms")
+    for r in rows.values():
+        if "step_ms" in r and fp32:
+            r["speedup_vs_fp32"] = fp32 / r["step_ms"]
+    return list(rows.values())
+
+
+class _warnings_quiet:
+    """The CPU-fallback warning of a cuDNN request is expected on CPU runs."""
+
+    def __enter__(self):
+        import warnings
+
+        self._ctx = warnings.catch_warnings()
+        self._ctx.__enter__()
+        warnings.simplefilter("ignore", UserWarning)
+
+    def __exit__(self, *exc):
+        return self._ctx.__exit__(*exc)
+
+
+COLUMNS = [
+    ("step ms", "step_ms", "{:.1f}"),
+    ("vs fp32", "speedup_vs_fp32", "{:.2f}x"),
+    ("tokens/s", "tokens_per_s", "{:,.0f}"),
+    ("MFU", "mfu", "{:.1%}"),
+    ("temp MiB", "temp_mib", "{:.0f}"),
+    ("grad rel. L2 vs fp32", "grad_rel_l2", "{:.1e}"),
+    ("loss diff", "loss_diff", "{:.1e}"),
+    ("cuDNN fmha fwd/bwd", None, None),
+    ("cuBLAS calls", "cublas", "{}"),
+    ("compile s", "compile_s", "{:.1f}"),
+]
+
+
+def markdown(results: dict[str, list[dict]], meta: dict) -> str:
+    lines = [
+        "# Fused attention under amp: one GPT training step",
+        "",
+        f"Command: `{meta['command']}`",
+        "",
+        f"Device: {meta['device']}; JAX {meta['jax']}; {meta['note']}",
+        "",
+    ]
+    for size, rows in results.items():
+        d, L, T, B, H, V = SIZES[size]
+        lines += [
+            f"## {size}: d_model {d}, {L} layers (scan + checkpoint), seq {T}, "
+            f"batch {B}, {H} heads, vocab {V}; {model_flops(size) / 1e12:.2f} "
+            "TFLOP/step",
+            "",
+            "| variant | " + " | ".join(c for c, _, _ in COLUMNS) + " |",
+            "|---" * (len(COLUMNS) + 1) + "|",
+        ]
+        for r in rows:
+            if "missing" in r:
+                lines.append(f"| {r['variant']} | {r['missing']} |")
+                continue
+            cells = []
+            for _, key, fmt in COLUMNS:
+                if key is None:
+                    cells.append(f"{r.get('fmha_fwd', 0)}/{r.get('fmha_bwd', 0)}")
+                else:
+                    cells.append(fmt.format(r[key]) if key in r else "")
+            lines.append(f"| {r['variant']} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size", default="gpt1024,gpt2048", help="comma-separated")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--dry-run", action="store_true", help="1 step, 1 round")
+    ap.add_argument("--variants", default="", help="comma-separated subset")
+    ap.add_argument("--out", default=str(Path(__file__).with_name("RESULTS_GPU.md")))
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        args.steps, args.rounds = 1, 1
+    sizes = [s for s in args.size.split(",") if s]
+    only = [v for v in args.variants.split(",") if v] or None
+    results = {s: measure(s, args.steps, args.rounds, only) for s in sizes}
+    dev = jax.devices()[0]
+    meta = {
+        "command": "python benchmarks/gpu_attention.py "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
+        "device": getattr(dev, "device_kind", dev.platform),
+        "jax": jax.__version__,
+        "note": "dry run: timings are not measurements"
+        if args.dry_run
+        else f"median of {args.rounds} interleaved rounds of {args.steps} steps",
+    }
+    md = markdown(results, meta)
+    out = Path(args.out)
+    out.write_text(md + "\n")
+    out.with_suffix(".json").write_text(
+        json.dumps({"meta": meta, "results": results}, indent=1, default=float)
+    )
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
