@@ -41,8 +41,10 @@ from ._rules import follow_compute_precision as follow_compute_precision
 from ._rules import keep_current_precision as keep_current_precision
 from ._rules import use_compute_precision as use_compute_precision
 from ._rules import use_full_precision as use_full_precision
+from ._rules import use_lower_precision as use_lower_precision
 from ._rules import use_original_precision as use_original_precision
 from ._rules import use_precision as use_precision
+from ._rules import use_range_safe_precision as use_range_safe_precision
 from ._rules import use_widest_precision as use_widest_precision
 from ._scaler import DynamicScalerState as DynamicScalerState
 from ._scaler import StaticScalerState as StaticScalerState
@@ -92,7 +94,9 @@ __all__ = (
     "skip_nonfinite_updates",
     "use_compute_precision",
     "use_full_precision",
+    "use_lower_precision",
     "use_original_precision",
     "use_precision",
+    "use_range_safe_precision",
     "use_widest_precision",
 )

@@ -26,7 +26,7 @@ from typing import Any
 
 import jax
 
-from . import _compat
+from . import _compat, _facts
 from ._dtypes import dtype_of
 from ._interpreter import AmpContext, check_rule_result, eval_jaxpr, is_held, restore
 from ._rules import cast_cache
@@ -86,9 +86,12 @@ def rewrite_jaxpr(
         per_jaxpr = _REWRITES.setdefault(jaxpr, {})
     except TypeError:  # not weak-referenceable: no caching
         per_jaxpr = {}
-    key = (ctx.key, in_dtypes, out_dtypes, held)
+    # The value facts of the outputs' uses, as the enclosing equation's analysis
+    # found them (None when traced lazily, e.g. a jvp rule under jax.grad).
+    bits = _facts.current_facts().bits_for(jaxpr)
+    key = (ctx.key, in_dtypes, out_dtypes, held, bits)
     if key not in per_jaxpr:
-        new = _retrace(jaxpr, ctx, in_dtypes, out_dtypes, held)
+        new = _retrace(jaxpr, ctx, in_dtypes, out_dtypes, held, bits)
         per_jaxpr[key] = _compat.like(jaxpr, new)
     return per_jaxpr[key]
 
@@ -103,7 +106,7 @@ def _with_dtypes(avals: list, dtypes: tuple | None) -> list:
 
 
 def _retrace(
-    jaxpr: Any, ctx: AmpContext, in_dtypes=None, out_dtypes=None, held=()
+    jaxpr: Any, ctx: AmpContext, in_dtypes=None, out_dtypes=None, held=(), bits=None
 ) -> Any:
     core, consts = _compat.jaxpr_parts(jaxpr)
     in_avals = _with_dtypes([v.aval for v in core.invars], in_dtypes)
@@ -116,7 +119,7 @@ def _retrace(
         # A fresh cast cache per trace: a cast made in this trace must never be
         # served to another one (it would leak a tracer).
         with cast_cache():
-            outs = eval_jaxpr(core, consts, args, ctx, held)
+            outs = eval_jaxpr(core, consts, args, ctx, held, out_bits=bits)
             if free:
                 return outs
             return [restore(x, a) for x, a in zip(outs, out_avals)]

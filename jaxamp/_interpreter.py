@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _compat, _reductions
+from . import _compat, _facts, _reductions
 from ._dtypes import dtype_of, is_float
 from ._rules import MATMULS, Rule, cast, cast_cache, default_amp_policy
 
@@ -153,6 +153,7 @@ def eval_jaxpr(
     ctx: AmpContext,
     held: Sequence[bool] = (),
     consts_held: bool = False,
+    out_bits: tuple[int, ...] | None = None,
 ) -> list[Any]:
     """Evaluate ``jaxpr`` with every equation re-bound under the amp policy.
 
@@ -166,6 +167,9 @@ def eval_jaxpr(
             the casts in the backward pass instead of saving the copies.
         consts_held: whether ``consts`` are held (closed-over values of the
             amp'd function).
+        out_bits: per output of ``jaxpr``, the value-fact bits of its uses
+            (:mod:`jaxamp._facts`); all zero for the amp'd function's own
+            outputs, None where the uses are unknown (conservative).
 
     Returns:
         The output values, in whatever dtype the policy left them; callers cast
@@ -182,22 +186,27 @@ def eval_jaxpr(
     held_map = {id(x): x for x, h in pairs if h and isinstance(x, jax.Array)}
     token = _HELD.set(held_map)
     try:
-        return _eval_eqns(jaxpr, env, ctx)
+        return _eval_eqns(jaxpr, env, ctx, out_bits)
     finally:
         _HELD.reset(token)
 
 
-def _eval_eqns(jaxpr: Any, env: dict, ctx: AmpContext) -> list[Any]:
+def _eval_eqns(jaxpr: Any, env: dict, ctx: AmpContext, out_bits) -> list[Any]:
     from ._higher_order import rewrite_equation  # cycle: structure uses mechanism
 
+    facts = _facts.analyse(jaxpr, out_bits).eqns
     with cast_cache():
-        for eqn in jaxpr.eqns:
+        for eqn, eqn_facts in zip(jaxpr.eqns, facts):
             invals = [_read(env, v) for v in eqn.invars]
             scopes = ctx.scopes + _compat.scope_names(eqn)
-            with _compat.eqn_context(eqn):
-                outs = rewrite_equation(eqn, invals, ctx.inside(scopes))
-                if outs is None:
-                    outs = _apply_rule(eqn, invals, ctx, scopes)
+            token = _facts.set_current(eqn_facts)
+            try:
+                with _compat.eqn_context(eqn):
+                    outs = rewrite_equation(eqn, invals, ctx.inside(scopes))
+                    if outs is None:
+                        outs = _apply_rule(eqn, invals, ctx, scopes)
+            finally:
+                _facts.reset_current(token)
             if eqn.primitive.multiple_results:
                 env.update(zip(eqn.outvars, outs))
             else:
@@ -218,14 +227,20 @@ def _apply_rule(eqn, invals, ctx: AmpContext, scopes) -> Any:
         new_in, new_params = check_rule_result(result, prim, rule, len(vals))
         return _reductions.bind(prim, new_in, new_params)
 
-    # A matmul re-casts held inputs in the backward pass instead of saving copies.
-    if (
-        prim.name in MATMULS
-        and rule is not ctx.policy.stop_rule  # amp_stop regions stay as traced
-        and _casts_only_held(invals, ctx.compute_dtype)
-    ):
+    if rule is ctx.policy.stop_rule:  # amp_stop regions stay as traced
+        return apply(*invals)
+    # A matmul re-casts held inputs in the backward pass instead of saving copies;
+    # a square widened to float32 re-casts its low-precision input (the float32
+    # copy would be a residual as large as the activation, twice its bytes).
+    if prim.name in MATMULS and _casts_only_held(invals, ctx.compute_dtype):
+        return _recomputing_casts(apply, invals)
+    if _facts.current_facts().quadratic and any(map(_is_low, invals)):
         return _recomputing_casts(apply, invals)
     return apply(*invals)
+
+
+def _is_low(x: Any) -> bool:
+    return isinstance(x, jax.Array) and is_float(x.dtype) and x.dtype.itemsize < 4
 
 
 def _casts_only_held(invals: Sequence[Any], compute_dtype: np.dtype) -> bool:
