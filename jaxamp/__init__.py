@@ -27,6 +27,8 @@ from ._optax import all_finite as all_finite
 from ._optax import optimizer_update as optimizer_update
 from ._optax import select_tree as select_tree
 from ._optax import skip_nonfinite_updates as skip_nonfinite_updates
+from ._overflow import Overflow as Overflow
+from ._overflow import find_overflows as find_overflows
 from ._policy import Policy as Policy
 from ._policy import cast_to_bfloat16 as cast_to_bfloat16
 from ._policy import cast_to_float16 as cast_to_float16
@@ -56,6 +58,7 @@ __version__ = "0.1.0"
 
 __all__ = (
     "DynamicScalerState",
+    "Overflow",
     "Policy",
     "SkipNonFiniteState",
     "StaticScalerState",
@@ -73,6 +76,7 @@ __all__ = (
     "dynamic_scale_grad",
     "dynamic_scale_tx",
     "dynamic_scale_value_and_grad",
+    "find_overflows",
     "follow_compute_precision",
     "force_full_precision",
     "fp8_amp_policy",

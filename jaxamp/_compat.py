@@ -108,6 +108,12 @@ def eqn_context(eqn: Any, name_stack_prefix: Any = None):
     return stack
 
 
+def source_line(eqn: Any) -> str:
+    """``"file.py:LINE:COL (function)"`` of the user code behind an equation.
+    JAX 0.10 / 0.11: only the private source_info_util summarises it."""
+    return _siu.summarize(eqn.source_info)
+
+
 def scope_names(eqn: Any) -> tuple[str, ...]:
     """The ``jax.named_scope`` components on an equation's name stack, outermost
     first. Transform markers (``jvp(...)``, ``transpose(...)``) are skipped."""

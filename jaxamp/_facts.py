@@ -13,8 +13,9 @@ equation's values *are*:
     the loss chain after the last matmul (log-softmax, cross-entropy, the gold
     logit gather, means), which the default policy runs in the traced dtypes,
     as PyTorch autocast's float32 list does for ``cross_entropy``/``nll_loss``;
-  - ``EXP``: the value reaches an ``exp`` through scale / mask / shift ops (a
-    softmax's logits): a matmul producing it keeps its traced float32 output;
+  - ``WIDE``: the value reaches an ``exp`` (a softmax's logits) or a linear
+    algebra routine (a covariance entering ``cholesky``) through scale / mask /
+    shift ops: a matmul producing it keeps its traced float32 result;
   - ``SUM``: the value reaches a ``reduce_sum`` through such ops: a square
     feeding it is a normalisation statistic, kept in float32.
 
@@ -45,12 +46,12 @@ from typing import Any
 
 from . import _compat
 
-REACH, EXP, SUM = 1, 2, 4
+REACH, WIDE, SUM = 1, 2, 4
 ALL = REACH  # conservative bits for an output whose consumers are unknown
 
 MATMULS = ("dot_general", "conv_general_dilated", "ragged_dot_general")
 
-# Ops through which a value still "is" the logits of a softmax (EXP) or the terms
+# Ops through which a value still "is" the logits of a softmax (WIDE) or the terms
 # of a sum (SUM): scaling, masking, shifting and moving data around.
 _PASS = frozenset(
     {
@@ -82,6 +83,23 @@ _PASS = frozenset(
 _SAME_MAGNITUDE = frozenset(
     {"convert_element_type", "neg", "abs", "copy", "copy_p", "reduce_precision", "real"}
 )
+# Where a value needs its float32 digits: a softmax's exp, linear algebra.
+_WIDE_USES = frozenset(
+    {
+        "exp",
+        "cholesky",
+        "triangular_solve",
+        "eigh",
+        "eig",
+        "lu",
+        "qr",
+        "geqrf",
+        "svd",
+        "schur",
+        "hessenberg",
+        "tridiagonal_solve",
+    }
+)
 # Log-space ops: a carry recursion through them keeps its traced dtype.
 _LOG_OPS = frozenset({"exp", "exp2", "expm1", "log", "log1p", "cumlogsumexp"})
 # Call-like primitives: one sub-jaxpr whose inputs and outputs are the equation's.
@@ -105,7 +123,7 @@ class EqnFacts:
     """What the dataflow pass knows about one equation.
 
     Attributes:
-        out_bits: per output, the OR of ``REACH``/``EXP``/``SUM`` of its uses.
+        out_bits: per output, the OR of ``REACH``/``WIDE``/``SUM`` of its uses.
         quadratic: the equation squares a value (see the module docstring).
         narrow_carries: for a ``scan``, per carry, whether it may be narrowed.
         sub_out_bits: ``id(sub-jaxpr param) -> out bits`` for higher-order
@@ -128,9 +146,10 @@ class EqnFacts:
         return self.known and not any(b & REACH for b in self.out_bits)
 
     @property
-    def softmax(self) -> bool:
-        """Some output reaches an ``exp`` through scale/mask/shift ops."""
-        return any(b & EXP for b in self.out_bits)
+    def wide(self) -> bool:
+        """Some output reaches a softmax's ``exp`` or linear algebra through
+        scale/mask/shift ops."""
+        return any(b & WIDE for b in self.out_bits)
 
     @property
     def summed(self) -> bool:
@@ -230,9 +249,7 @@ def _analyse(jaxpr: Any, out_bits: tuple[int, ...]) -> JaxprFacts:
         for v, b in zip(eqn.invars, in_bits):
             if _is_var(v) and b:
                 bits[v] = bits.get(v, 0) | b
-        facts[k] = EqnFacts(
-            out_bits=outs, quadratic=_quadratic(eqn, producer), **extra
-        )
+        facts[k] = EqnFacts(out_bits=outs, quadratic=_quadratic(eqn, producer), **extra)
     in_bits = tuple(bits.get(v, 0) for v in jaxpr.invars)
     return JaxprFacts(tuple(facts), in_bits)
 
@@ -269,9 +286,9 @@ def _eqn_in_bits(eqn: Any, outs: tuple[int, ...]) -> tuple[list[int], dict]:
     if name in _PASS:
         passed = 0
         for b in outs:
-            passed |= b & (EXP | SUM)
-    elif name == "exp":
-        passed = EXP
+            passed |= b & (WIDE | SUM)
+    elif name in _WIDE_USES:
+        passed = WIDE
     elif name == "reduce_sum":
         passed = SUM
     return [reach | passed] * n, {}

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _compat, _facts, _reductions
+from . import _compat, _facts, _overflow, _reductions
 from ._dtypes import dtype_of, is_float
 from ._rules import MATMULS, Rule, cast, cast_cache, default_amp_policy
 
@@ -225,7 +225,8 @@ def _apply_rule(eqn, invals, ctx: AmpContext, scopes) -> Any:
     def apply(*vals):
         result = rule(ctx.compute_dtype, original, *vals, **params)
         new_in, new_params = check_rule_result(result, prim, rule, len(vals))
-        return _reductions.bind(prim, new_in, new_params)
+        outs = _reductions.bind(prim, new_in, new_params)
+        return _overflow.poison(prim.name, new_in, outs)
 
     if rule is ctx.policy.stop_rule:  # amp_stop regions stay as traced
         return apply(*invals)

@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _overflow
 from ._dtypes import canonical_dtype, dtype_of, is_float, widest
 from ._facts import MATMULS, current_facts
 
@@ -55,7 +56,8 @@ def cast_cache():
     """Open a fresh cast cache for one jaxpr walk (used by the interpreter)."""
     token = _CAST_CACHE.set({})
     try:
-        yield
+        with _overflow.fresh_flags():  # flags are per trace, like casts
+            yield
     finally:
         _CAST_CACHE.reset(token)
 
@@ -88,12 +90,16 @@ def cast(x: Any, dtype: Any) -> Any:
         return np.asarray(x, dtype=dtype)
     cache = _CAST_CACHE.get()
     if cache is None:
-        return jax.lax.convert_element_type(x, dtype)
+        return _overflow.poison(
+            "convert_element_type", [x], jax.lax.convert_element_type(x, dtype)
+        )
     key = (id(x), dtype)
     hit = cache.get(key)
     if hit is not None and hit[0] is x:
         return hit[1]
-    out = jax.lax.convert_element_type(x, dtype)
+    out = _overflow.poison(
+        "convert_element_type", [x], jax.lax.convert_element_type(x, dtype)
+    )
     cache[key] = (x, out)
     return out
 
@@ -267,7 +273,7 @@ def use_lower_precision(compute_dtype, original_dtypes, *invars, **params):
 
     * it feeds a softmax (attention logits: ``jax.nn.dot_product_attention``
       asks for float32 logits; the accumulation is float32 anyway, so a float32
-      result costs no matmul time);
+      result costs no matmul time) or linear algebra (a covariance);
     * it reaches no other matmul (the head's logits feeding the loss);
     * with float16, a value multiplied by itself (a Gram matrix ``x @ x.T``).
 
@@ -278,8 +284,8 @@ def use_lower_precision(compute_dtype, original_dtypes, *invars, **params):
         return _original(invars, original_dtypes), params
     out, new = use_compute_precision(compute_dtype, original_dtypes, *invars, **params)
     facts = current_facts()
-    keep = facts.softmax or facts.tail or (
-        facts.quadratic and _range_critical(compute_dtype)
+    keep = (
+        facts.wide or facts.tail or (facts.quadratic and _range_critical(compute_dtype))
     )
     if keep and new is not params and "preferred_element_type" in new:
         traced = params.get("preferred_element_type") or widest(original_dtypes)
