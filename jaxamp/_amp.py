@@ -125,8 +125,8 @@ def amp(
             # alive for the step, so casts of them are recomputed, not saved.
             held = [True] * len(leaves)
             # The outputs feed nothing in the function: no matmul, no softmax.
-            none = (0,) * len(core.outvars)
-            outs = eval_jaxpr(core, consts, leaves, ctx, held, True, none)
+            edge = ((0,) * len(core.outvars), None)
+            outs = eval_jaxpr(core, consts, leaves, ctx, held, True, edge)
             outs = [restore(x, v.aval) for x, v in zip(outs, core.outvars)]
         out_def, out_static = out_tree[0]
         return eqx.combine(jax.tree_util.tree_unflatten(out_def, outs), out_static)

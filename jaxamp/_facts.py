@@ -81,7 +81,16 @@ _PASS = frozenset(
 )
 # Ops that keep a value's magnitude (seen through when asking "x times itself?").
 _SAME_MAGNITUDE = frozenset(
-    {"convert_element_type", "neg", "abs", "copy", "copy_p", "reduce_precision", "real"}
+    {
+        "convert_element_type",
+        "neg",
+        "abs",
+        "copy",
+        "copy_p",
+        "reduce_precision",
+        "real",
+        "transpose",
+    }
 )
 # Where a value needs its float32 digits: a softmax's exp, linear algebra.
 _WIDE_USES = frozenset(
@@ -128,12 +137,17 @@ class EqnFacts:
         narrow_carries: for a ``scan``, per carry, whether it may be narrowed.
         sub_out_bits: ``id(sub-jaxpr param) -> out bits`` for higher-order
             equations, the facts the sub-jaxpr's analysis starts from.
+        in_squared: per input, whether its magnitude is that of a square (a
+            sum of squares, a variance: see :func:`squared_flags`).
+        sub_in_squared: ``id(sub-jaxpr param) -> in_squared`` of its inputs.
     """
 
     out_bits: tuple[int, ...] = ()
     quadratic: bool = False
     narrow_carries: tuple[bool, ...] = ()
     sub_out_bits: Any = None  # dict, or None
+    in_squared: tuple[bool, ...] = ()
+    sub_in_squared: Any = None  # dict, or None
 
     @property
     def known(self) -> bool:
@@ -156,9 +170,19 @@ class EqnFacts:
         """Some output reaches a ``reduce_sum`` through such ops."""
         return any(b & SUM for b in self.out_bits)
 
-    def bits_for(self, sub: Any) -> tuple[int, ...] | None:
-        """The out bits of sub-jaxpr ``sub`` (a param of this equation)."""
-        return (self.sub_out_bits or {}).get(id(sub))
+    @property
+    def squared_input(self) -> bool:
+        """Some input has the magnitude of a square (float16 cannot hold it)."""
+        return any(self.in_squared)
+
+    def boundary_for(self, sub: Any) -> tuple | None:
+        """``(out bits, in_squared)`` of sub-jaxpr ``sub`` (a param of this
+        equation), or None where unknown."""
+        out = (self.sub_out_bits or {}).get(id(sub))
+        sq = (self.sub_in_squared or {}).get(id(sub))
+        if out is None and sq is None:
+            return None
+        return (out, sq)
 
 
 UNKNOWN = EqnFacts()
@@ -329,6 +353,89 @@ def _while_bits(eqn: Any, outs: tuple[int, ...]) -> tuple[list[int], dict]:
     ins = list(cond_in[:cn]) + list(inner.in_bits[:bn])
     ins += [a | b for a, b in zip(inner.in_bits[bn:], cond_in[cn:])]
     return ins, {"sub_out_bits": {id(body): tuple(sub_out), id(cond): (0,)}}
+
+
+# Ops whose output keeps the magnitude class of a squared input: sums, means,
+# shifts, products, data movement. sqrt/rsqrt/log bring it back into range.
+_SQUARE_KEEPS = _PASS | frozenset(
+    {"reduce_sum", "reduce_max", "reduce_min", "cumsum", "add_any", "abs"}
+)
+_SQ_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def squared_flags(jaxpr: Any, in_sq: tuple[bool, ...] | None) -> tuple:
+    """Forward range classes: which values have the magnitude of a square.
+
+    A square's output, and sums, means, products and shifts of it (a variance,
+    a sum of squares) can exceed float16's range while the values they came
+    from do not; a rule must not cast such a float32 value down to float16
+    (``h / jnp.var(h)``). ``sqrt``, ``rsqrt``, ``log`` and division by it end
+    the class.
+
+    Args:
+        jaxpr: an open jaxpr.
+        in_sq: per input, whether it is squared (None: none is).
+
+    Returns:
+        ``(per-equation (in flags, sub-jaxpr in flags), output flags)``, cached.
+    """
+    if in_sq is None or len(in_sq) != len(jaxpr.invars):
+        in_sq = (False,) * len(jaxpr.invars)
+    in_sq = tuple(in_sq)
+    try:
+        per = _SQ_CACHE.setdefault(jaxpr, {})
+    except TypeError:
+        per = {}
+    if in_sq not in per:
+        per[in_sq] = _squared(jaxpr, in_sq)
+    return per[in_sq]
+
+
+def _squared(jaxpr: Any, in_sq: tuple[bool, ...]) -> tuple:
+    sq: dict[Any, bool] = dict(zip(jaxpr.invars, in_sq))
+    producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+    per_eqn = []
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        ins = tuple(bool(_is_var(v) and sq.get(v, False)) for v in eqn.invars)
+        subs = _named_subs(eqn.params)
+        sub_in: dict = {}
+        if _quadratic(eqn, producer):
+            outs = [True] * len(eqn.outvars)
+        elif name in _CALLS and len(subs) == 1 and len(subs[0][1].invars) == len(ins):
+            sub_in = {id(subs[0][0]): ins}
+            outs = list(squared_flags(subs[0][1], ins)[1])
+        elif name == "div":
+            outs = [ins[0]]
+        elif name in _SQUARE_KEEPS:
+            outs = [any(ins)] * len(eqn.outvars)
+        else:
+            outs = [False] * len(eqn.outvars)
+        for v, f in zip(eqn.outvars, outs):
+            sq[v] = f
+        per_eqn.append((ins, sub_in))
+    outs = tuple(bool(_is_var(v) and sq.get(v, False)) for v in jaxpr.outvars)
+    return tuple(per_eqn), outs
+
+
+def with_boundary(jaxpr: Any, boundary: tuple | None) -> tuple[EqnFacts, ...]:
+    """The facts of every equation of ``jaxpr`` for the interpreter.
+
+    Args:
+        jaxpr: an open jaxpr.
+        boundary: ``(out bits, in_squared)`` from the enclosing equation (see
+            :meth:`EqnFacts.boundary_for`), or None where unknown.
+
+    Returns:
+        One :class:`EqnFacts` per equation.
+    """
+    out_bits, in_sq = boundary if boundary is not None else (None, None)
+    back = analyse(jaxpr, out_bits).eqns
+    fwd, _ = squared_flags(jaxpr, in_sq)
+    return tuple(
+        dataclasses.replace(f, in_squared=ins, sub_in_squared=sub or None)
+        for f, (ins, sub) in zip(back, fwd)
+    )
 
 
 def _root(v: Any, producer: dict) -> Any:

@@ -88,10 +88,10 @@ def rewrite_jaxpr(
         per_jaxpr = {}
     # The value facts of the outputs' uses, as the enclosing equation's analysis
     # found them (None when traced lazily, e.g. a jvp rule under jax.grad).
-    bits = _facts.current_facts().bits_for(jaxpr)
-    key = (ctx.key, in_dtypes, out_dtypes, held, bits)
+    edge = _facts.current_facts().boundary_for(jaxpr)
+    key = (ctx.key, in_dtypes, out_dtypes, held, edge)
     if key not in per_jaxpr:
-        new = _retrace(jaxpr, ctx, in_dtypes, out_dtypes, held, bits)
+        new = _retrace(jaxpr, ctx, in_dtypes, out_dtypes, held, edge)
         per_jaxpr[key] = _compat.like(jaxpr, new)
     return per_jaxpr[key]
 
@@ -106,7 +106,7 @@ def _with_dtypes(avals: list, dtypes: tuple | None) -> list:
 
 
 def _retrace(
-    jaxpr: Any, ctx: AmpContext, in_dtypes=None, out_dtypes=None, held=(), bits=None
+    jaxpr: Any, ctx: AmpContext, in_dtypes=None, out_dtypes=None, held=(), edge=None
 ) -> Any:
     core, consts = _compat.jaxpr_parts(jaxpr)
     in_avals = _with_dtypes([v.aval for v in core.invars], in_dtypes)
@@ -119,7 +119,7 @@ def _retrace(
         # A fresh cast cache per trace: a cast made in this trace must never be
         # served to another one (it would leak a tracer).
         with cast_cache():
-            outs = eval_jaxpr(core, consts, args, ctx, held, out_bits=bits)
+            outs = eval_jaxpr(core, consts, args, ctx, held, boundary=edge)
             if free:
                 return outs
             return [restore(x, a) for x, a in zip(outs, out_avals)]

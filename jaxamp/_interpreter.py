@@ -153,7 +153,7 @@ def eval_jaxpr(
     ctx: AmpContext,
     held: Sequence[bool] = (),
     consts_held: bool = False,
-    out_bits: tuple[int, ...] | None = None,
+    boundary: tuple | None = None,
 ) -> list[Any]:
     """Evaluate ``jaxpr`` with every equation re-bound under the amp policy.
 
@@ -167,9 +167,10 @@ def eval_jaxpr(
             the casts in the backward pass instead of saving the copies.
         consts_held: whether ``consts`` are held (closed-over values of the
             amp'd function).
-        out_bits: per output of ``jaxpr``, the value-fact bits of its uses
-            (:mod:`jaxamp._facts`); all zero for the amp'd function's own
-            outputs, None where the uses are unknown (conservative).
+        boundary: ``(out bits, in_squared)``, the value facts at the edges of
+            ``jaxpr`` (:mod:`jaxamp._facts`): the uses of its outputs (all zero
+            for the amp'd function's own outputs) and which inputs have the
+            magnitude of a square; None where unknown (conservative).
 
     Returns:
         The output values, in whatever dtype the policy left them; callers cast
@@ -186,15 +187,15 @@ def eval_jaxpr(
     held_map = {id(x): x for x, h in pairs if h and isinstance(x, jax.Array)}
     token = _HELD.set(held_map)
     try:
-        return _eval_eqns(jaxpr, env, ctx, out_bits)
+        return _eval_eqns(jaxpr, env, ctx, boundary)
     finally:
         _HELD.reset(token)
 
 
-def _eval_eqns(jaxpr: Any, env: dict, ctx: AmpContext, out_bits) -> list[Any]:
+def _eval_eqns(jaxpr: Any, env: dict, ctx: AmpContext, boundary) -> list[Any]:
     from ._higher_order import rewrite_equation  # cycle: structure uses mechanism
 
-    facts = _facts.analyse(jaxpr, out_bits).eqns
+    facts = _facts.with_boundary(jaxpr, boundary)
     with cast_cache():
         for eqn, eqn_facts in zip(jaxpr.eqns, facts):
             invals = [_read(env, v) for v in eqn.invars]

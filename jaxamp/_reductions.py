@@ -132,11 +132,11 @@ def _partial_tangent(prim, params, vals, i, shape, t):
     first, so no cotangent is summed in low precision."""
     t_full = _widened_broadcast(t, shape)
     if prim.name == "div" and i == 1:
-        # d(x/y) = -t x y**-2, with y**-2 of the small y (a small residual).
+        # d(x/y) = -t (x/y) / y: the quotient (an activation's magnitude) and the
+        # small y are the residuals; y**-2 would underflow float16 for |y| > 256.
         x, y = vals
-        return jax.lax.mul(
-            jax.lax.mul(jax.lax.neg(t_full), x), jax.lax.integer_pow(y, -2)
-        )
+        q = _compat.bind(prim, vals, params)
+        return jax.lax.div(jax.lax.mul(jax.lax.neg(t_full), q), y)
     x_full = _expand(vals[i], shape)
     return _jvp_at(prim, params, vals, i, x_full, t_full)
 

@@ -226,7 +226,9 @@ def follow_compute_precision(compute_dtype, original_dtypes, *invars, **params):
       ``cross_entropy``/``log_softmax``/``nll_loss`` in float32;
     * a value multiplied by itself runs in float32 when the compute dtype is
       float16 (its square can leave float16's range from in-range inputs) or
-      when the product is summed (a sum of squares: a norm or a variance);
+      when the product is summed (a sum of squares: a norm or a variance); with
+      float16, so does an equation with an input of that magnitude class (a
+      variance is never cast down to float16, ``h / jnp.var(h)``);
     * otherwise, if any traced (non-literal, non-weak) float input is already in
       the compute dtype, all float inputs (literals too) are cast to it; if not,
       each float input goes back to its traced dtype.
@@ -238,7 +240,10 @@ def follow_compute_precision(compute_dtype, original_dtypes, *invars, **params):
     facts = current_facts()
     if _mixed(original_dtypes, invars) or facts.tail:
         return _original(invars, original_dtypes), params
-    if facts.quadratic and (_range_critical(compute_dtype) or facts.summed):
+    critical = _range_critical(compute_dtype)
+    if (facts.quadratic and (critical or facts.summed)) or (
+        critical and facts.squared_input
+    ):
         return use_full_precision(compute_dtype, original_dtypes, *invars, **params)
     return _follow(compute_dtype, original_dtypes, invars), params
 
