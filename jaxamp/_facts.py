@@ -192,6 +192,27 @@ _CURRENT: contextvars.ContextVar[EqnFacts] = contextvars.ContextVar(
 )
 
 
+_NO_WIDE: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "jaxamp_no_wide", default=False
+)
+
+
+def wide_results_allowed() -> bool:
+    """False inside a region where low-precision products must not produce a
+    float32 result (a ``shard_map`` body on a backend that cannot run them)."""
+    return not _NO_WIDE.get()
+
+
+def no_wide_results(active: bool = True) -> contextvars.Token:
+    """Forbid float32 results of low-precision products (returns the token)."""
+    return _NO_WIDE.set(active or _NO_WIDE.get())
+
+
+def allow_wide_results(token: contextvars.Token) -> None:
+    """Undo :func:`no_wide_results`."""
+    _NO_WIDE.reset(token)
+
+
 def current_facts() -> EqnFacts:
     """The facts of the equation the interpreter is binding (for rules).
 

@@ -231,8 +231,12 @@ def _scan(eqn: Any, invals: list, ctx: AmpContext) -> Any:
 @register_higher_order("shard_map")
 def _shard_map(eqn: Any, invals: list, ctx: AmpContext) -> Any:
     # The body is traced in shard_map's own context: manual mesh axes bound.
-    with _compat.shard_map_context(eqn.params):
-        new_params = _rewrite_params(eqn.params, ctx)
+    token = _facts.no_wide_results(not _compat.wide_products_in_manual_code())
+    try:
+        with _compat.shard_map_context(eqn.params):
+            new_params = _rewrite_params(eqn.params, ctx)
+    finally:
+        _facts.allow_wide_results(token)
     if new_params is None:
         return run_unchanged(eqn, invals, ctx)
     params = _compat.bind_params(eqn.primitive, new_params)

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _overflow
+from . import _facts, _overflow
 from ._dtypes import canonical_dtype, dtype_of, is_float, widest
 from ._facts import MATMULS, current_facts
 
@@ -289,7 +289,7 @@ def use_lower_precision(compute_dtype, original_dtypes, *invars, **params):
         return _original(invars, original_dtypes), params
     out, new = use_compute_precision(compute_dtype, original_dtypes, *invars, **params)
     facts = current_facts()
-    keep = (
+    keep = _facts.wide_results_allowed() and (
         facts.wide or facts.tail or (facts.quadratic and _range_critical(compute_dtype))
     )
     if keep and new is not params and "preferred_element_type" in new:
