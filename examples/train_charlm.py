@@ -524,7 +524,8 @@ def table(results: list[dict], fp32_residual: int | None) -> str:
         rows.append(
             f"| {r['mode']} | {r['final_train_loss']:.3f} | {r['val_loss']:.3f} "
             f"| {r['val_bits_per_char']:.3f} | {tps} | {r['skipped_steps']} "
-            f"| {r.get('forward_overflows', 0)} | {r['final_loss_scale']:g} | {r['low_precision_flop_share']:.2f} "
+            f"| {r.get('forward_overflows', 0)} | {r['final_loss_scale']:g} "
+            f"| {r['low_precision_flop_share']:.2f} "
             f"| {ratio:.2f}x |"
         )
     return "\n".join(rows)

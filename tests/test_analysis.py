@@ -175,7 +175,6 @@ def test_saved_residual_bytes_by_hand():
     w, x = jnp.ones((4, 3)), jnp.ones((2, 4))
     fp32 = jaxamp.saved_residual_bytes(f, w, x)
     assert fp32 in (24, 48)
-    n = fp32 // 24
     # Under bfloat16 amp: tanh follows the last matmul, so it is the loss chain
     # and stays float32 (the same arrays); the backward matmul re-casts the
     # arguments w and x instead of saving copies.
