@@ -11,7 +11,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from . import _compat
+from . import _compat, _nnx
 from ._dtypes import canonical_dtype
 from ._interpreter import AMP_REGION, AmpContext, AmpPolicy, eval_jaxpr, restore
 from ._policy import cast_to_full_precision
@@ -85,8 +85,7 @@ def amp(
         )
     ctx = AmpContext(compute_dtype, policy)
 
-    @functools.wraps(fn)
-    def amp_fn(*args, **kwargs):
+    def amp_call(fn, args, kwargs):
         dynamic, static = eqx.partition((args, kwargs), eqx.is_array)
         leaves, treedef = jax.tree_util.tree_flatten(dynamic)
         out_tree = []
@@ -111,6 +110,12 @@ def amp(
             outs = [restore(x, v.aval) for x, v in zip(outs, core.outvars)]
         out_def, out_static = out_tree[0]
         return eqx.combine(jax.tree_util.tree_unflatten(out_def, outs), out_static)
+
+    @functools.wraps(fn)
+    def amp_fn(*args, **kwargs):
+        # Flax NNX graph nodes among the arguments: their Variable updates are
+        # carried out of the trace and written back to them (see _nnx.py).
+        return _nnx.call(amp_call, fn, args, kwargs)
 
     return amp_fn
 
