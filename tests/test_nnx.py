@@ -221,3 +221,49 @@ def test_flax_is_not_imported_for_plain_arguments():
         "assert 'flax' not in sys.modules, 'flax imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def _train_step(model, optimizer, x):
+    value, grads = nnx.value_and_grad(_loss_grad)(model, x)
+    optimizer.update(model, grads)
+    return value
+
+
+@pytest.mark.parametrize("use_jit", [False, True])
+def test_optimizer_update_inside_amp(use_jit):
+    results = []
+    for use_amp in (False, True):
+        model = Tally(nnx.Rngs(0))
+        opt = nnx.Optimizer(model, optax.sgd(0.1, momentum=0.9), wrt=nnx.Param)
+        f = jaxamp.amp(_train_step, compute_dtype=BF16) if use_amp else _train_step
+        f = nnx.jit(f) if use_jit else f
+        losses = [float(f(model, opt, X)) for _ in range(3)]
+        results.append((losses, opt, model))
+    (ref_losses, ref_opt, ref_model), (losses, opt, model) = results
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-2)
+    assert losses[2] < losses[0]
+    assert int(opt.step[...]) == int(ref_opt.step[...]) == 3
+    assert int(model.calls[...]) == 3
+    momentum, ref_momentum = nnx.state(opt.opt_state), nnx.state(ref_opt.opt_state)
+    assert tree_dtypes(momentum) == tree_dtypes(ref_momentum)
+    assert rel_l2(momentum, ref_momentum) < 2e-2
+    assert rel_l2(nnx.state(model, nnx.Param), nnx.state(ref_model, nnx.Param)) < 1e-2
+
+
+class Sower(nnx.Module):
+    def __init__(self):
+        self.lin = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+        h = self.lin(x)
+        self.hidden = nnx.Intermediate(h)  # a Variable created by the call
+        return h.sum()
+
+
+def test_variables_created_by_the_call_reach_the_caller():
+    model = Sower()
+    jaxamp.amp(lambda m, x: m(x), compute_dtype=BF16)(model, X)
+    ref = Sower()
+    ref(X)
+    assert model.hidden[...].dtype == F32
+    np.testing.assert_allclose(model.hidden[...], ref.hidden[...], atol=2e-2)
