@@ -50,7 +50,10 @@ def amp(
 
     Args:
         fn: a function of any pytrees (Equinox modules, dicts, ...); array leaves
-            are traced, other leaves are static.
+            are traced, other leaves are static. Flax NNX graph nodes (modules,
+            Variables, ``nnx.Rngs``, ``nnx.Optimizer``) are passed as ``nnx.jit``
+            passes them: the Variable updates ``fn`` makes reach the caller's
+            objects after the call, each in its Variable's dtype.
         compute_dtype: the low-precision dtype for matmuls (``jnp.float16`` by
             default, as in jaxamp 0.0.4; ``jnp.bfloat16`` needs no loss scaling).
             A dtype or a name such as ``"bf16"``.
