@@ -11,7 +11,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from . import _compat, _overflow
+from . import _compat, _nnx, _overflow
 from ._dtypes import canonical_dtype
 from ._interpreter import AMP_REGION, AmpContext, AmpPolicy, eval_jaxpr, restore
 from ._policy import cast_to_full_precision
@@ -51,7 +51,10 @@ def amp(
 
     Args:
         fn: a function of any pytrees (Equinox modules, dicts, ...); array leaves
-            are traced, other leaves are static.
+            are traced, other leaves are static. Flax NNX graph nodes (modules,
+            Variables, ``nnx.Rngs``, ``nnx.Optimizer``) are passed as ``nnx.jit``
+            passes them: the Variable updates ``fn`` makes reach the caller's
+            objects after the call, each in its Variable's dtype.
         compute_dtype: the low-precision dtype for matmuls (``jnp.float16`` by
             default, as in jaxamp 0.0.4; ``jnp.bfloat16`` needs no loss scaling).
             A dtype or a name such as ``"bf16"``.
@@ -101,8 +104,7 @@ def amp(
     if overflow_check is None:
         overflow_check = _overflow.limited_range(compute_dtype)
 
-    @functools.wraps(fn)
-    def amp_fn(*args, **kwargs):
+    def amp_call(fn, args, kwargs):
         dynamic, static = eqx.partition((args, kwargs), eqx.is_array)
         leaves, treedef = jax.tree_util.tree_flatten(dynamic)
         out_tree = []
@@ -130,6 +132,12 @@ def amp(
             outs = [restore(x, v.aval) for x, v in zip(outs, core.outvars)]
         out_def, out_static = out_tree[0]
         return eqx.combine(jax.tree_util.tree_unflatten(out_def, outs), out_static)
+
+    @functools.wraps(fn)
+    def amp_fn(*args, **kwargs):
+        # Flax NNX graph nodes among the arguments: their Variable updates are
+        # carried out of the trace and written back to them (see _nnx.py).
+        return _nnx.call(amp_call, fn, args, kwargs)
 
     return amp_fn
 

@@ -317,24 +317,33 @@ def _custom_vjp_call(eqn: Any, invals: list, ctx: AmpContext) -> Any:
 def _amp_call(fn: Callable, args: tuple, ctx: AmpContext) -> Any:
     """Call ``fn(*args)`` with its computation rewritten under ``ctx``.
 
-    The result may be any pytree (a bwd rule returns a list of cotangents, and
-    since JAX 0.11 a ``(cotangents, logs)`` pair); leaves that are not arrays
-    (symbolic zeros) pass through unchanged.
+    Only array arguments are traced; the others (``SymbolicZero`` cotangents of
+    a ``symbolic_zeros=True`` rule, None, Python values) reach ``fn`` exactly
+    as JAX passes them. The result may be any pytree (a bwd rule returns a list
+    of cotangents, and since JAX 0.11 a ``(cotangents, logs)`` pair); leaves
+    that are not arrays (symbolic zeros, None) pass through unchanged.
     """
     meta: dict[str, Any] = {}
+    traced = [i for i, a in enumerate(args) if isinstance(a, jax.Array)]
 
     def arrays_only(*xs):
-        leaves, meta["tree"] = jax.tree_util.tree_flatten(fn(*xs))
+        full = list(args)
+        for i, x in zip(traced, xs):
+            full[i] = x
+        leaves, meta["tree"] = jax.tree_util.tree_flatten(fn(*full))
         meta["others"] = {
             i: x for i, x in enumerate(leaves) if not isinstance(x, jax.Array)
         }
         meta["n"] = len(leaves)
         return [x for x in leaves if isinstance(x, jax.Array)]
 
-    closed = _compat.trace_to_closed_jaxpr(arrays_only, [jax.typeof(a) for a in args])
+    in_args = [args[i] for i in traced]
+    closed = _compat.trace_to_closed_jaxpr(
+        arrays_only, [jax.typeof(a) for a in in_args]
+    )
     core, consts = _compat.jaxpr_parts(closed)
     with cast_cache():
-        outs = eval_jaxpr(core, consts, args, ctx)
+        outs = eval_jaxpr(core, consts, in_args, ctx)
         outs = iter([restore(x, v.aval) for x, v in zip(outs, core.outvars)])
     others = meta["others"]
     leaves = [others[i] if i in others else next(outs) for i in range(meta["n"])]
