@@ -29,6 +29,8 @@ from ._optax import all_finite as all_finite
 from ._optax import optimizer_update as optimizer_update
 from ._optax import select_tree as select_tree
 from ._optax import skip_nonfinite_updates as skip_nonfinite_updates
+from ._overflow import Overflow as Overflow
+from ._overflow import find_overflows as find_overflows
 from ._policy import Policy as Policy
 from ._policy import cast_to_bfloat16 as cast_to_bfloat16
 from ._policy import cast_to_float16 as cast_to_float16
@@ -43,8 +45,10 @@ from ._rules import follow_compute_precision as follow_compute_precision
 from ._rules import keep_current_precision as keep_current_precision
 from ._rules import use_compute_precision as use_compute_precision
 from ._rules import use_full_precision as use_full_precision
+from ._rules import use_lower_precision as use_lower_precision
 from ._rules import use_original_precision as use_original_precision
 from ._rules import use_precision as use_precision
+from ._rules import use_range_safe_precision as use_range_safe_precision
 from ._rules import use_widest_precision as use_widest_precision
 from ._scaler import DynamicScalerState as DynamicScalerState
 from ._scaler import StaticScalerState as StaticScalerState
@@ -57,6 +61,7 @@ __version__ = "0.1.0"
 __all__ = (
     "AttentionRule",
     "DynamicScalerState",
+    "Overflow",
     "Policy",
     "SkipNonFiniteState",
     "StaticScalerState",
@@ -75,6 +80,7 @@ __all__ = (
     "dynamic_scale_grad",
     "dynamic_scale_tx",
     "dynamic_scale_value_and_grad",
+    "find_overflows",
     "follow_compute_precision",
     "force_full_precision",
     "fp8_amp_policy",
@@ -96,7 +102,9 @@ __all__ = (
     "skip_nonfinite_updates",
     "use_compute_precision",
     "use_full_precision",
+    "use_lower_precision",
     "use_original_precision",
     "use_precision",
+    "use_range_safe_precision",
     "use_widest_precision",
 )

@@ -11,7 +11,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from . import _attention, _compat
+from . import _attention, _compat, _nnx, _overflow
 from ._dtypes import canonical_dtype
 from ._interpreter import AMP_REGION, AmpContext, AmpPolicy, eval_jaxpr, restore
 from ._policy import cast_to_full_precision
@@ -23,6 +23,7 @@ def amp(
     *,
     compute_dtype: Any = jnp.float16,
     amp_policy: Mapping[Any, Rule] = default_amp_policy,
+    overflow_check: bool | None = None,
 ) -> Callable:
     """Run ``fn`` in automatic mixed precision.
 
@@ -50,7 +51,10 @@ def amp(
 
     Args:
         fn: a function of any pytrees (Equinox modules, dicts, ...); array leaves
-            are traced, other leaves are static.
+            are traced, other leaves are static. Flax NNX graph nodes (modules,
+            Variables, ``nnx.Rngs``, ``nnx.Optimizer``) are passed as ``nnx.jit``
+            passes them: the Variable updates ``fn`` makes reach the caller's
+            objects after the call, each in its Variable's dtype.
         compute_dtype: the low-precision dtype for matmuls (``jnp.float16`` by
             default, as in jaxamp 0.0.4; ``jnp.bfloat16`` needs no loss scaling).
             A dtype or a name such as ``"bf16"``.
@@ -58,6 +62,14 @@ def amp(
             ``jax.named_scope`` names (plus ``"amp_stop"`` and
             ``"amp_default"``) to rules
             ``rule(compute_dtype, original_dtypes, *invars, **params)``.
+        overflow_check: make forward overflows visible: where a sum, product,
+            power, matmul or narrowing cast turns finite inputs into a
+            non-finite float16 (or FP8) value, that value becomes NaN, so the
+            loss and the gradients are NaN and loss scaling skips and counts the
+            step instead of training on a value that ``rsqrt``/``tanh``/``exp``
+            silently absorbed. One reduction per checked value. Default (None):
+            on when ``compute_dtype`` is float16. Locate an overflow with
+            :func:`jaxamp.find_overflows`.
 
     Returns:
         A function with ``fn``'s signature whose outputs have the pytree
@@ -77,16 +89,22 @@ def amp(
     compute_dtype = canonical_dtype(compute_dtype, argname="compute_dtype")
     policy = AmpPolicy(amp_policy)
     if fn is None:
-        return functools.partial(amp, compute_dtype=compute_dtype, amp_policy=policy)
+        return functools.partial(
+            amp,
+            compute_dtype=compute_dtype,
+            amp_policy=policy,
+            overflow_check=overflow_check,
+        )
     if not callable(fn):
         raise TypeError(
             f"amp(fn): fn must be callable, got {type(fn).__name__}. Use "
             "jaxamp.amp(loss_fn) or @jaxamp.amp."
         )
     ctx = AmpContext(compute_dtype, policy)
+    if overflow_check is None:
+        overflow_check = _overflow.limited_range(compute_dtype)
 
-    @functools.wraps(fn)
-    def amp_fn(*args, **kwargs):
+    def amp_call(fn, args, kwargs):
         dynamic, static = eqx.partition((args, kwargs), eqx.is_array)
         leaves, treedef = jax.tree_util.tree_flatten(dynamic)
         out_tree = []
@@ -104,14 +122,23 @@ def amp(
                 flat_fn, [jax.typeof(x) for x in leaves], getattr(fn, "__name__", "amp")
             )
         core, consts = _compat.jaxpr_parts(closed)
-        with cast_cache(), jax.named_scope(AMP_REGION):
+        check = _overflow.checking(bool(overflow_check))
+        with check, cast_cache(), jax.named_scope(AMP_REGION):
             # The arguments (parameters, batch) and closed-over values are held:
             # alive for the step, so casts of them are recomputed, not saved.
             held = [True] * len(leaves)
-            outs = eval_jaxpr(core, consts, leaves, ctx, held, consts_held=True)
+            # The outputs feed nothing in the function: no matmul, no softmax.
+            edge = ((0,) * len(core.outvars), None)
+            outs = eval_jaxpr(core, consts, leaves, ctx, held, True, edge)
             outs = [restore(x, v.aval) for x, v in zip(outs, core.outvars)]
         out_def, out_static = out_tree[0]
         return eqx.combine(jax.tree_util.tree_unflatten(out_def, outs), out_static)
+
+    @functools.wraps(fn)
+    def amp_fn(*args, **kwargs):
+        # Flax NNX graph nodes among the arguments: their Variable updates are
+        # carried out of the trace and written back to them (see _nnx.py).
+        return _nnx.call(amp_call, fn, args, kwargs)
 
     return amp_fn
 

@@ -44,13 +44,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _compat
+from . import _compat, _reductions
 from ._dtypes import is_float
 from ._rules import cast, follow_compute_precision
 
 ATTENTION_KEY = "attention"
 IMPLEMENTATIONS = ("auto", "xla", "cudnn", "off")
 _MARK = "jaxamp_attention__"
+# The named_scope of the equations amp binds for an attention it re-dispatched.
+FUSED_SCOPE = "jaxamp_fused_attention"
 # A select_n fill at or below this (or -inf) makes the select a mask: exp of it
 # minus any realistic logit is 0 in float32 (bfloat16/float16 code often uses
 # -1e4 or finfo.min; -1e9 and -inf are common too).
@@ -440,13 +442,14 @@ def dispatch(
             stacklevel=2,
         )
         force = False
-    if force or (mode == "auto" and gpu and _cudnn_eligible(q, k, v, bias, mask)):
-        try:
-            return _bind_cudnn(q, k, v, bias, mask, **kwargs)
-        except (NotImplementedError, ValueError, RuntimeError):
-            if force:
-                raise
-    return _bind_xla(q, k, v, bias, mask, **kwargs)
+    with jax.named_scope(FUSED_SCOPE):  # visible in jaxprs and profiles
+        if force or (mode == "auto" and gpu and _cudnn_eligible(q, k, v, bias, mask)):
+            try:
+                return _bind_cudnn(q, k, v, bias, mask, **kwargs)
+            except (NotImplementedError, ValueError, RuntimeError):
+                if force:
+                    raise
+        return _bind_xla(q, k, v, bias, mask, **kwargs)
 
 
 def _narrow(x: Any, dtype: Any) -> Any:
@@ -516,7 +519,10 @@ def _bind_xla(
     f32 = jnp.float32
     qg = q.reshape(B, T, K, G, H)
     dims = (((4,), (3,)), ((0, 2), (0, 2)))  # -> (B, K, T, G, S)
-    logits = jax.lax.dot_general(qg, k, dims, preferred_element_type=f32)
+    if np.dtype(qg.dtype) == np.dtype(k.dtype) and np.dtype(k.dtype).itemsize < 4:
+        logits = _reductions.wide_dot_general(qg, k, dims)  # backward in bf16
+    else:
+        logits = jax.lax.dot_general(qg, k, dims, preferred_element_type=f32)
     logits = jnp.transpose(logits, (0, 1, 3, 2, 4)).reshape(B, N, T, S)
     logits = logits * jnp.asarray(1.0 / math.sqrt(H) if scale is None else scale, f32)
     if bias is not None:

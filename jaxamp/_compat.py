@@ -108,6 +108,20 @@ def eqn_context(eqn: Any, name_stack_prefix: Any = None):
     return stack
 
 
+def wide_products_in_manual_code() -> bool:
+    """Whether a bfloat16 x bfloat16 -> float32 ``dot_general`` compiles inside a
+    ``shard_map`` body here. XLA:CPU (jaxlib 0.10.2) rejects some at run time
+    (``Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32``);
+    GPU backends lower them to cuBLAS with float32 output."""
+    return jax.default_backend() != "cpu"
+
+
+def source_line(eqn: Any) -> str:
+    """``"file.py:LINE:COL (function)"`` of the user code behind an equation.
+    JAX 0.10 / 0.11: only the private source_info_util summarises it."""
+    return _siu.summarize(eqn.source_info)
+
+
 def scope_names(eqn: Any) -> tuple[str, ...]:
     """The ``jax.named_scope`` components on an equation's name stack, outermost
     first. Transform markers (``jvp(...)``, ``transpose(...)``) are skipped."""

@@ -26,7 +26,7 @@ from typing import Any
 
 import jax
 
-from . import _compat
+from . import _compat, _facts
 from ._dtypes import dtype_of
 from ._interpreter import AmpContext, check_rule_result, eval_jaxpr, is_held, restore
 from ._rules import cast_cache
@@ -86,9 +86,12 @@ def rewrite_jaxpr(
         per_jaxpr = _REWRITES.setdefault(jaxpr, {})
     except TypeError:  # not weak-referenceable: no caching
         per_jaxpr = {}
-    key = (ctx.key, in_dtypes, out_dtypes, held)
+    # The value facts of the outputs' uses, as the enclosing equation's analysis
+    # found them (None when traced lazily, e.g. a jvp rule under jax.grad).
+    edge = _facts.current_facts().boundary_for(jaxpr)
+    key = (ctx.key, in_dtypes, out_dtypes, held, edge)
     if key not in per_jaxpr:
-        new = _retrace(jaxpr, ctx, in_dtypes, out_dtypes, held)
+        new = _retrace(jaxpr, ctx, in_dtypes, out_dtypes, held, edge)
         per_jaxpr[key] = _compat.like(jaxpr, new)
     return per_jaxpr[key]
 
@@ -103,7 +106,7 @@ def _with_dtypes(avals: list, dtypes: tuple | None) -> list:
 
 
 def _retrace(
-    jaxpr: Any, ctx: AmpContext, in_dtypes=None, out_dtypes=None, held=()
+    jaxpr: Any, ctx: AmpContext, in_dtypes=None, out_dtypes=None, held=(), edge=None
 ) -> Any:
     core, consts = _compat.jaxpr_parts(jaxpr)
     in_avals = _with_dtypes([v.aval for v in core.invars], in_dtypes)
@@ -116,7 +119,7 @@ def _retrace(
         # A fresh cast cache per trace: a cast made in this trace must never be
         # served to another one (it would leak a tracer).
         with cast_cache():
-            outs = eval_jaxpr(core, consts, args, ctx, held)
+            outs = eval_jaxpr(core, consts, args, ctx, held, boundary=edge)
             if free:
                 return outs
             return [restore(x, a) for x, a in zip(outs, out_avals)]
@@ -228,8 +231,12 @@ def _scan(eqn: Any, invals: list, ctx: AmpContext) -> Any:
 @register_higher_order("shard_map")
 def _shard_map(eqn: Any, invals: list, ctx: AmpContext) -> Any:
     # The body is traced in shard_map's own context: manual mesh axes bound.
-    with _compat.shard_map_context(eqn.params):
-        new_params = _rewrite_params(eqn.params, ctx)
+    token = _facts.no_wide_results(not _compat.wide_products_in_manual_code())
+    try:
+        with _compat.shard_map_context(eqn.params):
+            new_params = _rewrite_params(eqn.params, ctx)
+    finally:
+        _facts.allow_wide_results(token)
     if new_params is None:
         return run_unchanged(eqn, invals, ctx)
     params = _compat.bind_params(eqn.primitive, new_params)
@@ -310,24 +317,33 @@ def _custom_vjp_call(eqn: Any, invals: list, ctx: AmpContext) -> Any:
 def _amp_call(fn: Callable, args: tuple, ctx: AmpContext) -> Any:
     """Call ``fn(*args)`` with its computation rewritten under ``ctx``.
 
-    The result may be any pytree (a bwd rule returns a list of cotangents, and
-    since JAX 0.11 a ``(cotangents, logs)`` pair); leaves that are not arrays
-    (symbolic zeros) pass through unchanged.
+    Only array arguments are traced; the others (``SymbolicZero`` cotangents of
+    a ``symbolic_zeros=True`` rule, None, Python values) reach ``fn`` exactly
+    as JAX passes them. The result may be any pytree (a bwd rule returns a list
+    of cotangents, and since JAX 0.11 a ``(cotangents, logs)`` pair); leaves
+    that are not arrays (symbolic zeros, None) pass through unchanged.
     """
     meta: dict[str, Any] = {}
+    traced = [i for i, a in enumerate(args) if isinstance(a, jax.Array)]
 
     def arrays_only(*xs):
-        leaves, meta["tree"] = jax.tree_util.tree_flatten(fn(*xs))
+        full = list(args)
+        for i, x in zip(traced, xs):
+            full[i] = x
+        leaves, meta["tree"] = jax.tree_util.tree_flatten(fn(*full))
         meta["others"] = {
             i: x for i, x in enumerate(leaves) if not isinstance(x, jax.Array)
         }
         meta["n"] = len(leaves)
         return [x for x in leaves if isinstance(x, jax.Array)]
 
-    closed = _compat.trace_to_closed_jaxpr(arrays_only, [jax.typeof(a) for a in args])
+    in_args = [args[i] for i in traced]
+    closed = _compat.trace_to_closed_jaxpr(
+        arrays_only, [jax.typeof(a) for a in in_args]
+    )
     core, consts = _compat.jaxpr_parts(closed)
     with cast_cache():
-        outs = eval_jaxpr(core, consts, args, ctx)
+        outs = eval_jaxpr(core, consts, in_args, ctx)
         outs = iter([restore(x, v.aval) for x, v in zip(outs, core.outvars)])
     others = meta["others"]
     leaves = [others[i] if i in others else next(outs) for i in range(meta["n"])]

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _attention, _compat, _reductions
+from . import _attention, _compat, _facts, _overflow, _reductions
 from ._dtypes import dtype_of, is_float
 from ._rules import MATMULS, Rule, cast, cast_cache, default_amp_policy
 
@@ -158,6 +158,7 @@ def eval_jaxpr(
     ctx: AmpContext,
     held: Sequence[bool] = (),
     consts_held: bool = False,
+    boundary: tuple | None = None,
 ) -> list[Any]:
     """Evaluate ``jaxpr`` with every equation re-bound under the amp policy.
 
@@ -171,6 +172,10 @@ def eval_jaxpr(
             the casts in the backward pass instead of saving the copies.
         consts_held: whether ``consts`` are held (closed-over values of the
             amp'd function).
+        boundary: ``(out bits, in_squared)``, the value facts at the edges of
+            ``jaxpr`` (:mod:`jaxamp._facts`): the uses of its outputs (all zero
+            for the amp'd function's own outputs) and which inputs have the
+            magnitude of a square; None where unknown (conservative).
 
     Returns:
         The output values, in whatever dtype the policy left them; callers cast
@@ -187,25 +192,30 @@ def eval_jaxpr(
     held_map = {id(x): x for x, h in pairs if h and isinstance(x, jax.Array)}
     token = _HELD.set(held_map)
     try:
-        return _eval_eqns(jaxpr, env, ctx)
+        return _eval_eqns(jaxpr, env, ctx, boundary)
     finally:
         _HELD.reset(token)
 
 
-def _eval_eqns(jaxpr: Any, env: dict, ctx: AmpContext) -> list[Any]:
+def _eval_eqns(jaxpr: Any, env: dict, ctx: AmpContext, boundary) -> list[Any]:
     from ._higher_order import rewrite_equation  # cycle: structure uses mechanism
 
+    facts = _facts.with_boundary(jaxpr, boundary)
     fusions = _attention.Fusions(jaxpr)  # matched attention (issue 12)
     with cast_cache():
-        for i, eqn in enumerate(jaxpr.eqns):
+        for i, (eqn, eqn_facts) in enumerate(zip(jaxpr.eqns, facts)):
             if fusions.handled(i, eqn, env, ctx):
                 continue
             invals = [_read(env, v) for v in eqn.invars]
             scopes = ctx.scopes + _compat.scope_names(eqn)
-            with _compat.eqn_context(eqn):
-                outs = rewrite_equation(eqn, invals, ctx.inside(scopes))
-                if outs is None:
-                    outs = _apply_rule(eqn, invals, ctx, scopes)
+            token = _facts.set_current(eqn_facts)
+            try:
+                with _compat.eqn_context(eqn):
+                    outs = rewrite_equation(eqn, invals, ctx.inside(scopes))
+                    if outs is None:
+                        outs = _apply_rule(eqn, invals, ctx, scopes)
+            finally:
+                _facts.reset_current(token)
             if eqn.primitive.multiple_results:
                 env.update(zip(eqn.outvars, outs))
             else:
@@ -224,16 +234,23 @@ def _apply_rule(eqn, invals, ctx: AmpContext, scopes) -> Any:
     def apply(*vals):
         result = rule(ctx.compute_dtype, original, *vals, **params)
         new_in, new_params = check_rule_result(result, prim, rule, len(vals))
-        return _reductions.bind(prim, new_in, new_params)
+        outs = _reductions.bind(prim, new_in, new_params)
+        return _overflow.poison(prim.name, new_in, outs)
 
-    # A matmul re-casts held inputs in the backward pass instead of saving copies.
-    if (
-        prim.name in MATMULS
-        and rule is not ctx.policy.stop_rule  # amp_stop regions stay as traced
-        and _casts_only_held(invals, ctx.compute_dtype)
-    ):
+    if rule is ctx.policy.stop_rule:  # amp_stop regions stay as traced
+        return apply(*invals)
+    # A matmul re-casts held inputs in the backward pass instead of saving copies;
+    # a square widened to float32 re-casts its low-precision input (the float32
+    # copy would be a residual as large as the activation, twice its bytes).
+    if prim.name in MATMULS and _casts_only_held(invals, ctx.compute_dtype):
+        return _recomputing_casts(apply, invals)
+    if _facts.current_facts().quadratic and any(map(_is_low, invals)):
         return _recomputing_casts(apply, invals)
     return apply(*invals)
+
+
+def _is_low(x: Any) -> bool:
+    return isinstance(x, jax.Array) and is_float(x.dtype) and x.dtype.itemsize < 4
 
 
 def _casts_only_held(invals: Sequence[Any], compute_dtype: np.dtype) -> bool:

@@ -21,6 +21,14 @@ denominator rule uses ``y**-2`` of the small ``y``), so the backward pass saves
 the same residuals as without the wrapper. Forward-mode and higher-order
 derivatives go through the same rule.
 
+Wide products. A matmul the policy gives a float32 result from low-precision
+operands (attention logits that feed a softmax, the logits the loss reads) would
+make JAX transpose it with a float32 cotangent: a float32 x bfloat16 product in
+the backward pass, i.e. a float32 matmul. Here its tangent is the product in the
+operands' dtype (float32 accumulation), widened once, so the backward matmuls run
+on the compute dtype as in a hand-written ``(q @ k.T).astype(float32)``, while
+the forward value is the unrounded float32 result.
+
 Choosers. The JVP of ``reduce_max``/``reduce_min`` counts the tied maxima with a
 ``reduce_sum`` of 0/1 indicators in the operand's dtype (bfloat16 counts are
 exact only up to 256). Here the indicators stay in the operand's dtype (the
@@ -39,6 +47,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from . import _compat
 from ._dtypes import dtype_of, is_float
+from ._facts import MATMULS
 from ._rules import is_literal
 
 # Elementwise primitives that broadcast size-1 / rank-0 operands implicitly.
@@ -123,11 +132,11 @@ def _partial_tangent(prim, params, vals, i, shape, t):
     first, so no cotangent is summed in low precision."""
     t_full = _widened_broadcast(t, shape)
     if prim.name == "div" and i == 1:
-        # d(x/y) = -t x y**-2, with y**-2 of the small y (a small residual).
+        # d(x/y) = -t (x/y) / y: the quotient (an activation's magnitude) and the
+        # small y are the residuals; y**-2 would underflow float16 for |y| > 256.
         x, y = vals
-        return jax.lax.mul(
-            jax.lax.mul(jax.lax.neg(t_full), x), jax.lax.integer_pow(y, -2)
-        )
+        q = _compat.bind(prim, vals, params)
+        return jax.lax.div(jax.lax.mul(jax.lax.neg(t_full), q), y)
     x_full = _expand(vals[i], shape)
     return _jvp_at(prim, params, vals, i, x_full, t_full)
 
@@ -180,6 +189,74 @@ def _chooser(prim: Any, invals: Sequence[Any], params: dict) -> Any:
     return _unary(prim, x, params, tangent)
 
 
+def _wide_product(prim: Any, invals: Sequence[Any], params: dict) -> Any:
+    wide = params.get("preferred_element_type")
+    lows = [x for x in invals[:2] if _low(x)]
+    if wide is None or len(lows) != 2 or np.dtype(wide).itemsize <= 2:
+        return None
+    low = np.dtype(lows[0].dtype)
+    low_params = {**params, "preferred_element_type": low}
+    traced = [i for i, x in enumerate(invals) if not is_literal(x)]
+
+    def with_args(args):
+        vals = list(invals)
+        for i, a in zip(traced, args):
+            vals[i] = a
+        return vals
+
+    f = jax.custom_jvp(lambda *args: _compat.bind(prim, with_args(args), params))
+
+    def jvp(primals, tangents):
+        vals = with_args(primals)
+        out = _compat.bind(prim, vals, params)
+        t_out = None
+        for i, t in zip(traced, tangents):
+            if isinstance(t, SymbolicZero) or not is_float(dtype_of(vals[i])):
+                continue
+            t_i = _jvp_at(prim, low_params, vals, i, vals[i], t)
+            t_i = jax.lax.convert_element_type(t_i, out.dtype)
+            t_out = t_i if t_out is None else jax.lax.add(t_out, t_i)
+        return out, jnp.zeros_like(out) if t_out is None else t_out
+
+    f.defjvp(jvp, symbolic_zeros=True)
+    return f(*(invals[i] for i in traced))
+
+
+def wide_dot_general(x: Any, y: Any, dimension_numbers: Any) -> Any:
+    """A float32 product of low-precision operands whose backward runs low.
+
+    ``lax.dot_general(x, y, dimension_numbers, preferred_element_type=float32)``
+    whose tangent (so both backward matmuls) is the product in ``x``'s dtype,
+    widened once: the "wide products" of the module docstring, for code that
+    builds its own product (the XLA attention path of ``_attention``).
+
+    Args:
+        x, y: arrays of one floating dtype narrower than float32 (e.g. bfloat16
+            q of shape ``(B, T, K, G, H)`` and k of shape ``(B, S, K, H)``).
+        dimension_numbers: as for ``lax.dot_general``.
+
+    Returns:
+        The float32 product, as ``lax.dot_general`` returns it.
+    """
+    f32 = np.dtype(np.float32)
+    low = np.dtype(x.dtype)
+
+    @jax.custom_jvp
+    def product(x, y):
+        return jax.lax.dot_general(x, y, dimension_numbers, preferred_element_type=f32)
+
+    @product.defjvp
+    def product_jvp(primals, tangents):
+        (x, y), (tx, ty) = primals, tangents
+        lo = dict(dimension_numbers=dimension_numbers, preferred_element_type=low)
+        t = jax.lax.add(
+            jax.lax.dot_general(tx, y, **lo), jax.lax.dot_general(x, ty, **lo)
+        )
+        return product(x, y), jax.lax.convert_element_type(t, f32)
+
+    return product(x, y)
+
+
 def bind(prim: Any, invals: Sequence[Any], params: dict) -> Any:
     """Bind ``prim`` so that the sums its derivatives need run in float32.
 
@@ -192,11 +269,13 @@ def bind(prim: Any, invals: Sequence[Any], params: dict) -> Any:
         ``prim``'s outputs, with the same values and dtypes as ``prim.bind``.
         Elementwise primitives (``add``, ``mul``, ...) with a traced operand
         narrower than float32 that is broadcast, and ``broadcast_in_dim`` of such
-        a value, and ``reduce_max``/``reduce_min`` of such a value are bound
-        through a ``custom_jvp`` (module docstring); anything else is bound
-        directly.
+        a value, ``reduce_max``/``reduce_min`` of such a value, and matmuls with
+        low-precision operands and a wider result are bound through a
+        ``custom_jvp`` (module docstring); anything else is bound directly.
     """
-    if prim.name in ELEMENTWISE and len(invals) == 2:
+    if prim.name in MATMULS:
+        out = _wide_product(prim, invals, params)
+    elif prim.name in ELEMENTWISE and len(invals) == 2:
         out = _elementwise(prim, invals, params)
     elif prim.name in BROADCASTING:
         out = _broadcast_in_dim(prim, invals, params)

@@ -38,7 +38,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _facts, _overflow
 from ._dtypes import canonical_dtype, dtype_of, is_float, widest
+from ._facts import MATMULS, current_facts
 
 Rule = Callable[..., tuple[list, dict]]
 
@@ -54,7 +56,8 @@ def cast_cache():
     """Open a fresh cast cache for one jaxpr walk (used by the interpreter)."""
     token = _CAST_CACHE.set({})
     try:
-        yield
+        with _overflow.fresh_flags():  # flags are per trace, like casts
+            yield
     finally:
         _CAST_CACHE.reset(token)
 
@@ -87,12 +90,16 @@ def cast(x: Any, dtype: Any) -> Any:
         return np.asarray(x, dtype=dtype)
     cache = _CAST_CACHE.get()
     if cache is None:
-        return jax.lax.convert_element_type(x, dtype)
+        return _overflow.poison(
+            "convert_element_type", [x], jax.lax.convert_element_type(x, dtype)
+        )
     key = (id(x), dtype)
     hit = cache.get(key)
     if hit is not None and hit[0] is x:
         return hit[1]
-    out = jax.lax.convert_element_type(x, dtype)
+    out = _overflow.poison(
+        "convert_element_type", [x], jax.lax.convert_element_type(x, dtype)
+    )
     cache[key] = (x, out)
     return out
 
@@ -174,23 +181,71 @@ def use_full_precision(compute_dtype, original_dtypes, *invars, **params):
     return [cast(x, target) for x in invars], params
 
 
-def follow_compute_precision(compute_dtype, original_dtypes, *invars, **params):
-    """Rule "follow": if any traced (non-literal, non-weak) float input is already
-    in the compute dtype, cast all float inputs (literals too) to it; otherwise
-    cast each float input back to its original dtype.
+def _mixed(original_dtypes, invars) -> bool:
+    """The equation was traced with traced float inputs of different dtypes (a
+    kernel such as cuDNN attention's backward takes bfloat16 q/k/v and float32
+    softmax statistics by design): it must keep them."""
+    floats = {
+        np.dtype(d)
+        for d, x in zip(original_dtypes, invars)
+        if not is_literal(x) and is_float(d)
+    }
+    return len(floats) > 1
 
-    This keeps activations in the compute dtype between matmuls instead of
-    casting back to float32 after every op, and satisfies lax's requirement that
-    n-ary primitives see one dtype.
-    """
+
+def _follow(compute_dtype, original_dtypes, invars):
     compute_dtype = np.dtype(compute_dtype)
     low = any(
         not is_literal(x) and not is_weak(x) and dtype_of(x) == compute_dtype
         for x in invars
     )
     if low:
-        return [cast(x, compute_dtype) for x in invars], params
-    return [cast(x, d) for x, d in zip(invars, original_dtypes)], params
+        return [cast(x, compute_dtype) for x in invars]
+    return [cast(x, d) for x, d in zip(invars, original_dtypes)]
+
+
+def _original(invars, original_dtypes):
+    return [cast(x, d) for x, d in zip(invars, original_dtypes)]
+
+
+def _range_critical(compute_dtype) -> bool:
+    """Whether a square can leave the compute dtype's range (float16: 65504)."""
+    return np.dtype(compute_dtype).itemsize < 4 and np.dtype(compute_dtype) != np.dtype(
+        jnp.bfloat16
+    )
+
+
+def follow_compute_precision(compute_dtype, original_dtypes, *invars, **params):
+    """Rule "follow" (the default for unlisted primitives), reading the value
+    facts of :mod:`jaxamp._facts`:
+
+    * an equation traced with mixed float input dtypes keeps them (known or
+      unknown primitive: cuDNN attention's backward, a custom kernel);
+    * in the function's tail (no output reaches a matmul: the loss chain after
+      the last matmul) it runs in the traced dtypes, as PyTorch autocast runs
+      ``cross_entropy``/``log_softmax``/``nll_loss`` in float32;
+    * a value multiplied by itself runs in float32 when the compute dtype is
+      float16 (its square can leave float16's range from in-range inputs) or
+      when the product is summed (a sum of squares: a norm or a variance); with
+      float16, so does an equation with an input of that magnitude class (a
+      variance is never cast down to float16, ``h / jnp.var(h)``);
+    * otherwise, if any traced (non-literal, non-weak) float input is already in
+      the compute dtype, all float inputs (literals too) are cast to it; if not,
+      each float input goes back to its traced dtype.
+
+    This keeps activations in the compute dtype between matmuls instead of
+    casting back to float32 after every op, and satisfies lax's requirement that
+    n-ary primitives see one dtype.
+    """
+    facts = current_facts()
+    if _mixed(original_dtypes, invars) or facts.tail:
+        return _original(invars, original_dtypes), params
+    critical = _range_critical(compute_dtype)
+    if (facts.quadratic and (critical or facts.summed)) or (
+        critical and facts.squared_input
+    ):
+        return use_full_precision(compute_dtype, original_dtypes, *invars, **params)
+    return _follow(compute_dtype, original_dtypes, invars), params
 
 
 def keep_current_precision(compute_dtype, original_dtypes, *invars, **params):
@@ -200,31 +255,76 @@ def keep_current_precision(compute_dtype, original_dtypes, *invars, **params):
     return list(invars), params
 
 
-def _integer_pow(compute_dtype, original_dtypes, *invars, **params):
-    # float16 overflows at 65504: x**3 of a 50-valued activation already does.
-    # bfloat16 has float32's range, so it follows (saves GELU's float32 residual).
-    if np.dtype(compute_dtype) == np.dtype(jnp.float16):
+def use_range_safe_precision(compute_dtype, original_dtypes, *invars, **params):
+    """Rule for powers (``square``, ``integer_pow``): float32 when the compute
+    dtype is float16 (``x**2`` overflows float16 once |x| > 256, ``x**3`` once
+    |x| > 40) or when the result is summed (a variance, a norm: normalisation
+    statistics are float32, as PyTorch autocast's ``layer_norm``/``norm``);
+    otherwise as :func:`follow_compute_precision` (a bfloat16 GELU's ``x**3``
+    has float32's range and saves a float32 residual)."""
+    facts = current_facts()
+    if _mixed(original_dtypes, invars) or facts.tail:
+        return _original(invars, original_dtypes), params
+    if _range_critical(compute_dtype) or facts.summed:
         return use_full_precision(compute_dtype, original_dtypes, *invars, **params)
-    return follow_compute_precision(compute_dtype, original_dtypes, *invars, **params)
+    return _follow(compute_dtype, original_dtypes, invars), params
+
+
+def use_lower_precision(compute_dtype, original_dtypes, *invars, **params):
+    """Rule for matmuls and convolutions (PyTorch autocast's
+    ``lower_precision_fp`` list): float inputs in the compute dtype, with float32
+    accumulation. The result is in the compute dtype, except where the value
+    facts say it must keep its traced dtype (``preferred_element_type``):
+
+    * it feeds a softmax (attention logits: ``jax.nn.dot_product_attention``
+      asks for float32 logits; the accumulation is float32 anyway, so a float32
+      result costs no matmul time) or linear algebra (a covariance);
+    * it reaches no other matmul (the head's logits feeding the loss);
+    * with float16, a value multiplied by itself (a Gram matrix ``x @ x.T``).
+
+    Never widens (a hand-written float8 product is left as written) and keeps an
+    equation traced with mixed float input dtypes as traced.
+    """
+    if _mixed(original_dtypes, invars):
+        return _original(invars, original_dtypes), params
+    out, new = use_compute_precision(compute_dtype, original_dtypes, *invars, **params)
+    facts = current_facts()
+    keep = _facts.wide_results_allowed() and (
+        facts.wide or facts.tail or (facts.quadratic and _range_critical(compute_dtype))
+    )
+    if keep and new is not params and "preferred_element_type" in new:
+        traced = params.get("preferred_element_type") or widest(original_dtypes)
+        new = dict(new)
+        new["preferred_element_type"] = np.dtype(traced)
+    return out, new
 
 
 def narrow_bfloat16_carries(compute_dtype, original_dtypes, *carries, **params):
     """Loop-carry rule (the policy entry for ``scan``): with a bfloat16 compute
-    dtype, float carries wider than it (the residual stream of a scanned
-    transformer) run in bfloat16; otherwise carries keep their traced dtype.
+    dtype, the float carries that the value facts mark as narrowable run in
+    bfloat16; every other carry keeps its traced dtype.
 
-    bfloat16 has float32's exponent range, so a carried activation cannot
-    overflow; float16 could, so it keeps float32 carries (as PyTorch autocast
-    keeps a float32 residual stream). Weakly typed carries are never narrowed.
+    Narrowable (:mod:`jaxamp._facts`): the scan is not in the function's tail,
+    the carry reaches a matmul in the body (an activation, e.g. the residual
+    stream of a scanned transformer, whose float32 copy per layer would
+    otherwise be a residual), and no matmul-free path into it passes an
+    ``exp``/``log`` (CTC's and an HMM's log-space forward recursions keep
+    float32). bfloat16 has float32's exponent range, so a narrowed activation
+    cannot overflow; float16 could, so it keeps float32 carries (as PyTorch
+    autocast keeps a float32 residual stream). Weakly typed carries are never
+    narrowed; outside an analysed walk nothing is narrowed.
     """
     del original_dtypes
     if np.dtype(compute_dtype) != np.dtype(jnp.bfloat16):
         return list(carries), params
+    narrow = current_facts().narrow_carries
+    if len(narrow) != len(carries):
+        return list(carries), params
     out = [
         cast(c, compute_dtype)
-        if not is_weak(c) and is_float(dtype_of(c)) and dtype_of(c).itemsize > 2
+        if ok and not is_weak(c) and is_float(dtype_of(c)) and dtype_of(c).itemsize > 2
         else c
-        for c in carries
+        for c, ok in zip(carries, narrow)
     ]
     return out, params
 
@@ -240,11 +340,9 @@ def _family(rule: Rule, *names: str) -> None:
         default_amp_policy[name] = rule
 
 
-# Matmul-like primitives: the "lower" family, and the ones whose casts of held
-# inputs the interpreter recomputes in the backward pass.
-MATMULS = ("dot_general", "conv_general_dilated", "ragged_dot_general")
-
-_family(use_compute_precision, *MATMULS)
+# Matmul-like primitives (_facts.MATMULS): the "lower" family, and the ones whose
+# casts of held inputs the interpreter recomputes in the backward pass.
+_family(use_lower_precision, *MATMULS)
 _family(
     use_full_precision,
     "exp",
@@ -277,7 +375,29 @@ _family(
     "sinh",
     "cosh",
 )
-_family(_integer_pow, "integer_pow")
+_family(use_range_safe_precision, "square", "integer_pow")
+# Linear algebra (LAPACK / cuSOLVER have no bfloat16 or float16 kernels, and
+# factorisations lose what little precision a 16-bit input has).
+_family(
+    use_full_precision,
+    "cholesky",
+    "cholesky_update",
+    "triangular_solve",
+    "eigh",
+    "eig",
+    "lu",
+    "lu_pivots_to_permutation",
+    "qr",
+    "geqrf",
+    "geqp3",
+    "householder_product",
+    "svd",
+    "schur",
+    "hessenberg",
+    "tridiagonal",
+    "tridiagonal_solve",
+    "custom_linear_solve",
+)
 _family(
     keep_current_precision,
     "convert_element_type",  # a user cast is respected as written

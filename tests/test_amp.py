@@ -20,8 +20,10 @@ def eqns(closed):
 
 
 def dots(closed):
+    """Operand dtype of each matmul (the precision it runs in; a matmul that
+    feeds no other matmul keeps a float32 result by design)."""
     return [
-        e.outvars[0].aval.dtype
+        e.invars[0].aval.dtype
         for e in eqns(closed)
         if e.primitive.name == "dot_general"
     ]

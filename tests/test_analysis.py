@@ -175,15 +175,21 @@ def test_saved_residual_bytes_by_hand():
     w, x = jnp.ones((4, 3)), jnp.ones((2, 4))
     fp32 = jaxamp.saved_residual_bytes(f, w, x)
     assert fp32 in (24, 48)
-    n = fp32 // 24
-    # Under bfloat16 amp: the same arrays in bfloat16 (12 B each); the backward
-    # matmul re-casts the arguments w and x instead of saving copies.
+    # Under bfloat16 amp: tanh follows the last matmul, so it is the loss chain
+    # and stays float32 (the same arrays); the backward matmul re-casts the
+    # arguments w and x instead of saving copies.
     half = jaxamp.amp(f, compute_dtype=jnp.bfloat16)
-    assert jaxamp.saved_residual_bytes(half, w, x) == n * 12
+    assert jaxamp.saved_residual_bytes(half, w, x) == fp32
+    # Between two matmuls tanh runs in bfloat16: its arrays take 12 B each.
+    w2 = jnp.ones((3, 2))
+    mid = lambda w, x, w2: (jnp.tanh(x @ w) @ w2).sum()
+    n_mid = jaxamp.saved_residual_bytes(mid, w, x, w2) // 24
+    half_mid = jaxamp.amp(mid, compute_dtype=jnp.bfloat16)
+    assert jaxamp.saved_residual_bytes(half_mid, w, x, w2) == n_mid * 12
     # x * 2 is not an argument: its bfloat16 copy (16 B) is saved, and so is
     # w's (24 B) since that matmul is not rematerialised.
     g = jaxamp.amp(lambda w, x: f(w, x * 2), compute_dtype=jnp.bfloat16)
-    assert jaxamp.saved_residual_bytes(g, w, x) == 16 + 24 + n * 12
+    assert jaxamp.saved_residual_bytes(g, w, x) == 16 + 24 + fp32
     # Keyword arguments reach fn and are arguments too.
     assert jaxamp.saved_residual_bytes(lambda w, *, x: f(w, x), w, x=x) == fp32
 

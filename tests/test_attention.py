@@ -1,8 +1,8 @@
 """Fused attention under amp (jaxamp/_attention.py, issue 12).
 
 Every model is checked twice: on the jaxpr (which equations were recognised,
-and that the rewritten attention computes its logits in float32 from bfloat16
-q/k/v, where the ordinary "lower" rule would give bfloat16 logits) and on the
+that amp bound a re-dispatched attention, in the ``jaxamp_fused_attention``
+scope, and that it computes its logits in float32 from bfloat16 q/k/v) and on the
 numbers (output and gradients against float32 on inputs pre-rounded to
 bfloat16; tolerance 2e-2 relative L2, about 5 bfloat16 ulps of the output).
 """
@@ -57,12 +57,23 @@ def _names(fn, *args):
     ]
 
 
+def _fused(fn, *args):
+    """The number of equations amp bound for re-dispatched attentions (in the
+    ``jaxamp_fused_attention`` scope); 0 when nothing was replaced."""
+    closed = jax.make_jaxpr(fn)(*args)
+    return sum(
+        _attention.FUSED_SCOPE in _compat.scope_names(eqn)
+        for eqn, _ in jaxamp.iter_equations(closed)
+    )
+
+
 def _check_fused(fn, args, grad_argnums=(0, 1, 2), ref=None):
     """amp(fn) runs attention with float32 logits from bfloat16 q/k/v, and its
     output and gradients match float32."""
     amp_fn = jaxamp.amp(fn, compute_dtype=jnp.bfloat16)
     dots = _dots(amp_fn, *args)
     assert ((BF16, BF16), F32) in dots, dots  # q·k: bf16 in, float32 logits
+    assert _fused(amp_fn, *args) > 0
     assert not any(n.startswith("jaxamp_attention__") for n in _names(amp_fn, *args))
     ref_fn = fn if ref is None else ref
     ref = ref_fn(*args)
@@ -76,6 +87,9 @@ def _check_fused(fn, args, grad_argnums=(0, 1, 2), ref=None):
     g = jax.grad(loss(amp_fn), grad_argnums)(*args)
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(g))
     assert rel_l2(g, g_ref) < TOL
+    # Every matmul of the gradient, backward ones included, runs on bfloat16.
+    grad_dots = _dots(jax.grad(loss(amp_fn), grad_argnums), *args)
+    assert grad_dots and all(ins == (BF16, BF16) for ins, _ in grad_dots), grad_dots
 
 
 # --------------------------------------------------------------------------------
@@ -322,6 +336,7 @@ def test_equinox_multihead_attention():
     assert len(_groups(lambda x: fn(att, x), x)) == 1
     amp_fn = jaxamp.amp(fn, compute_dtype=jnp.bfloat16)
     assert ((BF16, BF16), F32) in _dots(lambda x: amp_fn(att, x), x)
+    assert _fused(lambda x: amp_fn(att, x), x) > 0
     assert rel_l2(amp_fn(att, x), fn(att, x)) < TOL
     g = eqx.filter_grad(lambda a: jnp.sum(amp_fn(a, x) ** 2))(att)
     g_ref = eqx.filter_grad(lambda a: jnp.sum(fn(a, x) ** 2))(att)
@@ -342,6 +357,7 @@ def test_flax_multihead_attention():
 
     amp_fn = jaxamp.amp(fn, compute_dtype=jnp.bfloat16)
     assert ((BF16, BF16), F32) in _dots(amp_fn, state, x)
+    assert _fused(amp_fn, state, x) > 0
     assert rel_l2(amp_fn(state, x), fn(state, x)) < TOL
 
 
@@ -374,8 +390,7 @@ def test_near_misses_are_not_replaced(case):
     args = _qkv()
     assert _groups(fn, *args) == []
     amp_fn = jaxamp.amp(fn, compute_dtype=jnp.bfloat16)
-    dots = _dots(amp_fn, *args)
-    assert ((BF16, BF16), F32) not in dots  # ordinary rule: bfloat16 logits
+    assert _fused(amp_fn, *args) == 0  # the ordinary rules run
     assert rel_l2(amp_fn(*args), fn(*args)) < 5e-2
 
 
@@ -388,8 +403,8 @@ def test_policy_off_and_amp_stop_leave_attention_alone():
     nn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v)
     off = {**jaxamp.default_amp_policy, "attention": jaxamp.attention_rule("off")}
     for fn in (nn, _hand(mask=PAD)):
-        dots = _dots(jaxamp.amp(fn, compute_dtype=jnp.bfloat16, amp_policy=off), *args)
-        assert ((BF16, BF16), F32) not in dots
+        amp_off = jaxamp.amp(fn, compute_dtype=jnp.bfloat16, amp_policy=off)
+        assert _fused(amp_off, *args) == 0
         stopped = jaxamp.amp(jaxamp.amp_stop(fn), compute_dtype=jnp.bfloat16)
         assert all(d == ((F32, F32), F32) for d in _dots(stopped, *args))
         np.testing.assert_allclose(stopped(*args), fn(*args), rtol=1e-6, atol=1e-6)
@@ -418,7 +433,10 @@ def test_nested_scope_policy_and_bad_rule():
         with jax.named_scope("enc"):
             return jax.nn.dot_product_attention(q, k, v)
 
-    dots = _dots(jaxamp.amp(fn, compute_dtype=jnp.bfloat16, amp_policy=scoped), *_qkv())
-    assert ((BF16, BF16), F32) not in dots
+    assert (
+        _fused(jaxamp.amp(fn, compute_dtype=jnp.bfloat16, amp_policy=scoped), *_qkv())
+        == 0
+    )
+    assert _fused(jaxamp.amp(fn, compute_dtype=jnp.bfloat16), *_qkv()) > 0
     with pytest.raises(ValueError, match="implementation"):
         jaxamp.attention_rule("flash")

@@ -3,10 +3,12 @@ is rewritten, signatures stay identical, and custom derivative rules still run."
 
 import functools
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import rel_l2, round_bf16, tree_dtypes
 from jax import lax
 from jax.extend.core import Primitive, jaxpr_as_fun
 from jax.sharding import AxisType
@@ -141,7 +143,7 @@ def test_jit_and_remat_let_dtypes_flow_through():
     def f(w, x):
         h = jnp.tanh(x @ w)
         h = jax.jit(lambda a: a * 2.0)(h)
-        return jax.checkpoint(lambda a: jnp.sin(a))(h).sum()
+        return (jax.checkpoint(lambda a: jnp.sin(a))(h) @ w.T).sum()
 
     closed = jax.make_jaxpr(jaxamp.amp(f, compute_dtype=BF16))(W, X)
     calls = [
@@ -260,7 +262,7 @@ def test_jitted_layer_is_rewritten_once(monkeypatch):
     def f(w, x):
         for _ in range(5):
             x = layer(x, w)
-        return x.sum()
+        return (x @ w).sum()  # every layer feeds a matmul: one fact signature
 
     jax.make_jaxpr(jaxamp.amp(f, compute_dtype=jnp.bfloat16))(W, X)
     # Once per input dtype signature: float32 x on the first call, then the
@@ -302,7 +304,9 @@ def test_relu_custom_jvp_lets_bfloat16_flow_through():
 
     amp_f = jaxamp.amp(f, compute_dtype=BF16)
     closed = jax.make_jaxpr(amp_f)(W, X)
-    (call,) = [e for e in eqns(closed) if e.primitive.name == "custom_jvp_call"]
+    # relu's custom_jvp comes first (the last matmul, whose float32 result feeds
+    # the loss, is bound through a jaxamp custom_jvp too).
+    call = [e for e in eqns(closed) if e.primitive.name == "custom_jvp_call"][0]
     assert [v.aval.dtype for v in call.invars] == [BF16]
     assert [v.aval.dtype for v in call.outvars] == [BF16]
     g, g_ref = jax.grad(amp_f)(W, X), jax.grad(f)(W, X)
@@ -335,3 +339,119 @@ def test_custom_jvp_with_symbolic_zero_tangents():
     )
     gs = jax.grad(amp_f, argnums=2)(W, X, s)
     np.testing.assert_allclose(gs, (X @ W).sum(), rtol=2e-2, atol=2e-2)
+
+
+def _symbolic_zero_vjp(log):
+    """A ``symbolic_zeros=True`` custom_vjp that logs what its rules receive."""
+
+    @jax.custom_vjp
+    def f(x, s):
+        return x * s, jnp.sin(x)
+
+    def fwd(x, s):
+        log.append(("fwd", x.perturbed, s.perturbed))
+        return f(x.value, s.value), (x.value, s.value, 2.0, None)
+
+    def bwd(res, g):
+        x, s, two, none = res  # Python-valued and None residuals too
+        zero = [type(t) is jax.custom_derivatives.SymbolicZero for t in g]
+        log.append(("bwd", *zero, type(two).__name__, none))
+        g0, g1 = (jnp.zeros_like(x) if z else t for z, t in zip(zero, g))
+        # 3.0: marks the user's rule (the true x-cotangent is g0 * s).
+        return 3.0 * g0 * s + g1 * jnp.cos(x), jax.custom_derivatives.SymbolicZero(
+            jax.typeof(s).to_tangent_aval()
+        )
+
+    f.defvjp(fwd, bwd, symbolic_zeros=True)
+    return f
+
+
+def _logged_grad(use_amp):
+    log = []
+    f = _symbolic_zero_vjp(log)
+    loss = lambda w, x: f(x @ w, jnp.float32(0.5))[0].sum()  # 2nd output unused
+    if use_amp:
+        loss = jaxamp.amp(loss, compute_dtype=BF16)
+    return jax.grad(loss, argnums=1)(W, X), log
+
+
+def test_custom_vjp_symbolic_zeros_pass_through_as_without_amp():
+    ref, ref_log = _logged_grad(use_amp=False)
+    got, log = _logged_grad(use_amp=True)
+    # fwd sees the same perturbed flags, bwd the same symbolic zeros.
+    assert log == ref_log
+    assert log[0] == ("fwd", True, False) and log[1][:3] == ("bwd", False, True)
+    assert got.dtype == F32
+    np.testing.assert_allclose(got, ref, rtol=2e-2, atol=1e-2)
+    np.testing.assert_allclose(
+        ref, jnp.broadcast_to(1.5 * W.sum(1), X.shape), rtol=1e-5
+    )
+
+
+def test_equinox_filter_custom_vjp_with_non_differentiated_inputs():
+    @eqx.filter_custom_vjp
+    def layer(params, x, scale):
+        w, b = params
+        return jnp.tanh(x @ w) * scale + b
+
+    @layer.def_fwd
+    def _(perturbed, params, x, scale):
+        return layer(params, x, scale), None
+
+    @layer.def_bwd
+    def _(res, g, perturbed, params, x, scale):
+        # x and scale are not differentiated: only params get cotangents.
+        w, b = params
+        h = jnp.tanh(x @ w)
+        gw = x.T @ (g * scale * (1.0 - h * h))
+        return 2.0 * gw, (g.sum(0) if perturbed[1] else None)  # 2.0: the user's
+
+    def loss(w, b, x):
+        return jnp.square(layer((w, b), x, jnp.float32(0.5))).sum()
+
+    b = jnp.zeros((4,), jnp.float32)
+    ref = jax.grad(loss, argnums=(0, 1))(W, b, X)
+    got = jax.grad(jaxamp.amp(loss, compute_dtype=BF16), argnums=(0, 1))(W, b, X)
+    assert [g.dtype for g in got] == [F32, F32]
+    assert rel_l2(got, ref) < 5e-2
+    got_w = jax.grad(jaxamp.amp(loss, compute_dtype=BF16))(W, b, X)
+    assert rel_l2(got_w, ref[0]) < 5e-2
+    closed = jax.make_jaxpr(jax.grad(jaxamp.amp(loss, compute_dtype=BF16)))(W, b, X)
+    assert jaxamp.low_precision_flop_share(closed) == 1.0
+
+
+@pytest.mark.parametrize("adjoint", ["RecursiveCheckpointAdjoint", "BacksolveAdjoint"])
+def test_diffrax_neural_ode_gradients(adjoint):
+    diffrax = pytest.importorskip("diffrax")
+    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(0), 3)
+    params = round_bf16(
+        {
+            "w1": jax.random.normal(k1, (4, 32)) / 2.0,
+            "w2": jax.random.normal(k2, (32, 4)) / np.sqrt(32.0),
+        }
+    )
+    y0 = round_bf16(jax.random.normal(k3, (16, 4)))
+
+    def loss(p, y0):
+        term = diffrax.ODETerm(lambda t, y, p: jnp.tanh(y @ p["w1"]) @ p["w2"])
+        sol = diffrax.diffeqsolve(
+            term,
+            diffrax.Tsit5(),
+            0.0,
+            1.0,
+            0.1,
+            y0,
+            args=p,
+            stepsize_controller=diffrax.PIDController(rtol=1e-3, atol=1e-4),
+            adjoint=getattr(diffrax, adjoint)(),
+            max_steps=64,
+        )
+        return jnp.mean(jnp.square(sol.ys[-1]))
+
+    grad_amp = jax.grad(jaxamp.amp(loss, compute_dtype=BF16))
+    got = jax.jit(grad_amp)(params, y0)
+    ref = jax.jit(jax.grad(loss))(params, y0)
+    assert tree_dtypes(got) == [F32, F32]
+    assert rel_l2(got, ref) < 5e-2
+    share = jaxamp.low_precision_flop_share(jax.make_jaxpr(grad_amp)(params, y0))
+    assert share >= 0.99

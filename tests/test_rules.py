@@ -139,7 +139,11 @@ def test_never_cast_non_float_values():
 def test_default_table_families():
     p = jaxamp.default_amp_policy
     for name in ("dot_general", "conv_general_dilated"):
-        assert p[name] is jaxamp.use_compute_precision
+        assert p[name] is jaxamp.use_lower_precision
+    for name in ("square", "integer_pow"):
+        assert p[name] is jaxamp.use_range_safe_precision
+    for name in ("cholesky", "triangular_solve", "eigh", "lu", "qr", "svd", "schur"):
+        assert p[name] is jaxamp.use_full_precision
     for name in ("exp", "log", "log1p", "pow", "rsqrt", "reduce_sum", "cumsum"):
         assert p[name] is jaxamp.use_full_precision
     assert p["amp_default"] is jaxamp.follow_compute_precision

@@ -1,0 +1,535 @@
+"""Value facts: one dataflow pass per jaxpr that the default rules read.
+
+Deciding an equation's dtype from its primitive alone is not enough (DESIGN.md,
+"The default policy"): the same ``sub`` is harmless between two matmuls and
+ruinous in the cross-entropy after the last one, the same ``mul`` is a gate or a
+square. This module computes, once per (jaxpr, facts of its outputs), what each
+equation's values *are*:
+
+* backward bits per value, propagated from the outputs to the inputs:
+
+  - ``REACH``: the value reaches a matmul (``dot_general``, convolution). An
+    equation none of whose outputs reaches one is in the function's *tail*:
+    the loss chain after the last matmul (log-softmax, cross-entropy, the gold
+    logit gather, means), which the default policy runs in the traced dtypes,
+    as PyTorch autocast's float32 list does for ``cross_entropy``/``nll_loss``;
+  - ``WIDE``: the value reaches an ``exp`` (a softmax's logits) or a linear
+    algebra routine (a covariance entering ``cholesky``) through scale / mask /
+    shift ops: a matmul producing it keeps its traced float32 result;
+  - ``SUM``: the value reaches a ``reduce_sum`` through such ops: a square
+    feeding it is a normalisation statistic, kept in float32.
+
+* per equation: ``quadratic`` (``square``, ``integer_pow``, ``pow``, a value
+  multiplied by itself or matmul'd with itself, seen through casts and negation):
+  its output can leave float16's range from in-range inputs;
+
+* per ``scan``: which float carries may be narrowed to the compute dtype. A
+  carry is narrowed only if it reaches a matmul in the body (an activation such
+  as the residual stream) and no matmul-free path from a carry into it passes
+  an ``exp``/``log`` (a log-space recursion such as CTC's or an HMM's forward
+  pass keeps its traced dtype).
+
+Sub-jaxprs are analysed with the bits of the values their outputs feed in the
+enclosing jaxpr (a scan's carries to a fixpoint), so facts cross ``jit``,
+``scan``, ``while``, ``cond``, ``remat`` and custom-derivative boundaries. Where
+the bits of a sub-jaxpr's outputs are unknown (a user's jvp or bwd rule traced
+lazily by JAX), every output is taken to reach a matmul: the conservative
+choice, which keeps the compute dtype's memory savings.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import weakref
+from typing import Any
+
+from . import _compat
+
+REACH, WIDE, SUM = 1, 2, 4
+ALL = REACH  # conservative bits for an output whose consumers are unknown
+
+MATMULS = ("dot_general", "conv_general_dilated", "ragged_dot_general")
+
+# Ops through which a value still "is" the logits of a softmax (WIDE) or the terms
+# of a sum (SUM): scaling, masking, shifting and moving data around.
+_PASS = frozenset(
+    {
+        "add",
+        "sub",
+        "mul",
+        "div",
+        "neg",
+        "max",
+        "min",
+        "select_n",
+        "convert_element_type",
+        "reduce_precision",
+        "copy",
+        "copy_p",
+        "reshape",
+        "transpose",
+        "broadcast_in_dim",
+        "squeeze",
+        "expand_dims",
+        "slice",
+        "dynamic_slice",
+        "concatenate",
+        "pad",
+        "stop_gradient",
+    }
+)
+# Ops that keep a value's magnitude (seen through when asking "x times itself?").
+_SAME_MAGNITUDE = frozenset(
+    {
+        "convert_element_type",
+        "neg",
+        "abs",
+        "copy",
+        "copy_p",
+        "reduce_precision",
+        "real",
+        "transpose",
+    }
+)
+# Where a value needs its float32 digits: a softmax's exp, linear algebra.
+_WIDE_USES = frozenset(
+    {
+        "exp",
+        "cholesky",
+        "triangular_solve",
+        "eigh",
+        "eig",
+        "lu",
+        "qr",
+        "geqrf",
+        "svd",
+        "schur",
+        "hessenberg",
+        "tridiagonal_solve",
+    }
+)
+# Log-space ops: a carry recursion through them keeps its traced dtype.
+_LOG_OPS = frozenset({"exp", "exp2", "expm1", "log", "log1p", "cumlogsumexp"})
+# Call-like primitives: one sub-jaxpr whose inputs and outputs are the equation's.
+_CALLS = frozenset(
+    {
+        "jit",
+        "pjit",
+        "closed_call",
+        "core_call",
+        "remat2",
+        "checkpoint",
+        "custom_jvp_call",
+        "custom_vjp_call",
+        "shard_map",
+    }
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class EqnFacts:
+    """What the dataflow pass knows about one equation.
+
+    Attributes:
+        out_bits: per output, the OR of ``REACH``/``WIDE``/``SUM`` of its uses.
+        quadratic: the equation squares a value (see the module docstring).
+        narrow_carries: for a ``scan``, per carry, whether it may be narrowed.
+        sub_out_bits: ``id(sub-jaxpr param) -> out bits`` for higher-order
+            equations, the facts the sub-jaxpr's analysis starts from.
+        in_squared: per input, whether its magnitude is that of a square (a
+            sum of squares, a variance: see :func:`squared_flags`).
+        sub_in_squared: ``id(sub-jaxpr param) -> in_squared`` of its inputs.
+    """
+
+    out_bits: tuple[int, ...] = ()
+    quadratic: bool = False
+    narrow_carries: tuple[bool, ...] = ()
+    sub_out_bits: Any = None  # dict, or None
+    in_squared: tuple[bool, ...] = ()
+    sub_in_squared: Any = None  # dict, or None
+
+    @property
+    def known(self) -> bool:
+        """False for the conservative facts of an equation outside any analysis."""
+        return bool(self.out_bits)
+
+    @property
+    def tail(self) -> bool:
+        """No output reaches a matmul: the function's loss chain."""
+        return self.known and not any(b & REACH for b in self.out_bits)
+
+    @property
+    def wide(self) -> bool:
+        """Some output reaches a softmax's ``exp`` or linear algebra through
+        scale/mask/shift ops."""
+        return any(b & WIDE for b in self.out_bits)
+
+    @property
+    def summed(self) -> bool:
+        """Some output reaches a ``reduce_sum`` through such ops."""
+        return any(b & SUM for b in self.out_bits)
+
+    @property
+    def squared_input(self) -> bool:
+        """Some input has the magnitude of a square (float16 cannot hold it)."""
+        return any(self.in_squared)
+
+    def boundary_for(self, sub: Any) -> tuple | None:
+        """``(out bits, in_squared)`` of sub-jaxpr ``sub`` (a param of this
+        equation), or None where unknown."""
+        out = (self.sub_out_bits or {}).get(id(sub))
+        sq = (self.sub_in_squared or {}).get(id(sub))
+        if out is None and sq is None:
+            return None
+        return (out, sq)
+
+
+UNKNOWN = EqnFacts()
+
+_CURRENT: contextvars.ContextVar[EqnFacts] = contextvars.ContextVar(
+    "jaxamp_eqn_facts", default=UNKNOWN
+)
+
+
+_NO_WIDE: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "jaxamp_no_wide", default=False
+)
+
+
+def wide_results_allowed() -> bool:
+    """False inside a region where low-precision products must not produce a
+    float32 result (a ``shard_map`` body on a backend that cannot run them)."""
+    return not _NO_WIDE.get()
+
+
+def no_wide_results(active: bool = True) -> contextvars.Token:
+    """Forbid float32 results of low-precision products (returns the token)."""
+    return _NO_WIDE.set(active or _NO_WIDE.get())
+
+
+def allow_wide_results(token: contextvars.Token) -> None:
+    """Undo :func:`no_wide_results`."""
+    _NO_WIDE.reset(token)
+
+
+def current_facts() -> EqnFacts:
+    """The facts of the equation the interpreter is binding (for rules).
+
+    Outside a jaxamp walk (a rule called by hand) every fact is unknown and
+    false: rules then behave as they did without the analysis.
+    """
+    return _CURRENT.get()
+
+
+def set_current(facts: EqnFacts) -> contextvars.Token:
+    """Make ``facts`` the current equation's facts; returns the reset token."""
+    return _CURRENT.set(facts)
+
+
+def reset_current(token: contextvars.Token) -> None:
+    """Undo :func:`set_current`."""
+    _CURRENT.reset(token)
+
+
+@dataclasses.dataclass(frozen=True)
+class JaxprFacts:
+    """The analysis of one jaxpr: per equation facts and per input bits."""
+
+    eqns: tuple[EqnFacts, ...]
+    in_bits: tuple[int, ...]
+
+
+_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def analyse(jaxpr: Any, out_bits: tuple[int, ...] | None) -> JaxprFacts:
+    """Facts of every equation of ``jaxpr`` given the bits of its outputs.
+
+    Args:
+        jaxpr: an open jaxpr (``invars``, ``eqns``, ``outvars``).
+        out_bits: per output, the bits of its uses outside (``()``-length
+            mismatches and None mean unknown: every output reaches a matmul).
+
+    Returns:
+        A :class:`JaxprFacts`, cached per (jaxpr, out_bits).
+    """
+    if out_bits is None or len(out_bits) != len(jaxpr.outvars):
+        out_bits = (ALL,) * len(jaxpr.outvars)
+    out_bits = tuple(out_bits)
+    try:
+        per = _CACHE.setdefault(jaxpr, {})
+    except TypeError:  # not weak-referenceable
+        per = {}
+    if out_bits not in per:
+        per[out_bits] = _analyse(jaxpr, out_bits)
+    return per[out_bits]
+
+
+def _is_var(v: Any) -> bool:
+    return not isinstance(v, _compat.Literal)
+
+
+def _named_subs(params: dict) -> list[tuple[Any, Any]]:
+    """``(param value, core jaxpr)`` of each sub-jaxpr of an equation."""
+    out = []
+    for val in params.values():
+        for sub in val if isinstance(val, (tuple, list)) else (val,):
+            if _compat.is_jaxpr(sub):
+                out.append((sub, _compat.jaxpr_parts(sub)[0]))
+    return out
+
+
+def _analyse(jaxpr: Any, out_bits: tuple[int, ...]) -> JaxprFacts:
+    bits: dict[Any, int] = {}
+    for v, b in zip(jaxpr.outvars, out_bits):
+        if _is_var(v):
+            bits[v] = bits.get(v, 0) | b
+    producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+    facts: list[EqnFacts] = [UNKNOWN] * len(jaxpr.eqns)
+    for k in range(len(jaxpr.eqns) - 1, -1, -1):
+        eqn = jaxpr.eqns[k]
+        outs = tuple(bits.get(v, 0) for v in eqn.outvars)
+        in_bits, extra = _eqn_in_bits(eqn, outs)
+        for v, b in zip(eqn.invars, in_bits):
+            if _is_var(v) and b:
+                bits[v] = bits.get(v, 0) | b
+        facts[k] = EqnFacts(out_bits=outs, quadratic=_quadratic(eqn, producer), **extra)
+    in_bits = tuple(bits.get(v, 0) for v in jaxpr.invars)
+    return JaxprFacts(tuple(facts), in_bits)
+
+
+def _eqn_in_bits(eqn: Any, outs: tuple[int, ...]) -> tuple[list[int], dict]:
+    """Bits of an equation's inputs from those of its outputs, plus the extra
+    facts of higher-order equations."""
+    name = eqn.primitive.name
+    n = len(eqn.invars)
+    reach = REACH if any(b & REACH for b in outs) else 0
+    if name in MATMULS:
+        return [REACH] * n, {}
+    if name == "scan":
+        return _scan_bits(eqn, outs)
+    if name in _CALLS:
+        subs = _named_subs(eqn.params)
+        if len(subs) == 1 and len(subs[0][1].invars) == n:
+            sub, core = subs[0]
+            inner = analyse(core, outs)
+            return list(inner.in_bits), {"sub_out_bits": {id(sub): outs}}
+    if name == "cond":
+        branches = eqn.params["branches"]
+        ins = [0] * n
+        for br in branches:
+            inner = analyse(_compat.jaxpr_parts(br)[0], outs)
+            for i, b in enumerate(inner.in_bits):
+                ins[i + 1] |= b
+        return ins, {"sub_out_bits": {id(br): outs for br in branches}}
+    if name == "while":
+        return _while_bits(eqn, outs)
+    if _named_subs(eqn.params):  # unknown higher-order primitive: conservative
+        return [REACH] * n, {}
+    passed = 0
+    if name in _PASS:
+        passed = 0
+        for b in outs:
+            passed |= b & (WIDE | SUM)
+    elif name in _WIDE_USES:
+        passed = WIDE
+    elif name == "reduce_sum":
+        passed = SUM
+    return [reach | passed] * n, {}
+
+
+def _scan_bits(eqn: Any, outs: tuple[int, ...]) -> tuple[list[int], dict]:
+    n_consts, n_carry = _compat.scan_carry_range(eqn.params)
+    body = eqn.params["jaxpr"]
+    core = _compat.jaxpr_parts(body)[0]
+    sub_out = list(outs)
+    for _ in range(4):  # carries: a fixpoint over monotone bits
+        inner = analyse(core, tuple(sub_out))
+        carry_in = inner.in_bits[n_consts : n_consts + n_carry]
+        new = [o | c for o, c in zip(outs[:n_carry], carry_in)] + list(outs[n_carry:])
+        if new == sub_out:
+            break
+        sub_out = new
+    logspace = _log_space_carries(core, n_consts, n_carry)
+    narrow = tuple(
+        bool(carry_in[c] & REACH) and c not in logspace for c in range(n_carry)
+    )
+    extra = {"sub_out_bits": {id(body): tuple(sub_out)}, "narrow_carries": narrow}
+    return list(inner.in_bits), extra
+
+
+def _while_bits(eqn: Any, outs: tuple[int, ...]) -> tuple[list[int], dict]:
+    cn, bn = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+    cond, body = eqn.params["cond_jaxpr"], eqn.params["body_jaxpr"]
+    core = _compat.jaxpr_parts(body)[0]
+    sub_out = list(outs)
+    for _ in range(4):
+        inner = analyse(core, tuple(sub_out))
+        new = [o | c for o, c in zip(outs, inner.in_bits[bn:])]
+        if new == sub_out:
+            break
+        sub_out = new
+    cond_in = analyse(_compat.jaxpr_parts(cond)[0], (0,)).in_bits
+    ins = list(cond_in[:cn]) + list(inner.in_bits[:bn])
+    ins += [a | b for a, b in zip(inner.in_bits[bn:], cond_in[cn:])]
+    return ins, {"sub_out_bits": {id(body): tuple(sub_out), id(cond): (0,)}}
+
+
+# Ops whose output keeps the magnitude class of a squared input: sums, means,
+# shifts, products, data movement. sqrt/rsqrt/log bring it back into range.
+_SQUARE_KEEPS = _PASS | frozenset(
+    {"reduce_sum", "reduce_max", "reduce_min", "cumsum", "add_any", "abs"}
+)
+_SQ_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def squared_flags(jaxpr: Any, in_sq: tuple[bool, ...] | None) -> tuple:
+    """Forward range classes: which values have the magnitude of a square.
+
+    A square's output, and sums, means, products and shifts of it (a variance,
+    a sum of squares) can exceed float16's range while the values they came
+    from do not; a rule must not cast such a float32 value down to float16
+    (``h / jnp.var(h)``). ``sqrt``, ``rsqrt``, ``log`` and division by it end
+    the class.
+
+    Args:
+        jaxpr: an open jaxpr.
+        in_sq: per input, whether it is squared (None: none is).
+
+    Returns:
+        ``(per-equation (in flags, sub-jaxpr in flags), output flags)``, cached.
+    """
+    if in_sq is None or len(in_sq) != len(jaxpr.invars):
+        in_sq = (False,) * len(jaxpr.invars)
+    in_sq = tuple(in_sq)
+    try:
+        per = _SQ_CACHE.setdefault(jaxpr, {})
+    except TypeError:
+        per = {}
+    if in_sq not in per:
+        per[in_sq] = _squared(jaxpr, in_sq)
+    return per[in_sq]
+
+
+def _squared(jaxpr: Any, in_sq: tuple[bool, ...]) -> tuple:
+    sq: dict[Any, bool] = dict(zip(jaxpr.invars, in_sq))
+    producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+    per_eqn = []
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        ins = tuple(bool(_is_var(v) and sq.get(v, False)) for v in eqn.invars)
+        subs = _named_subs(eqn.params)
+        sub_in: dict = {}
+        if _quadratic(eqn, producer):
+            outs = [True] * len(eqn.outvars)
+        elif name in _CALLS and len(subs) == 1 and len(subs[0][1].invars) == len(ins):
+            sub_in = {id(subs[0][0]): ins}
+            outs = list(squared_flags(subs[0][1], ins)[1])
+        elif name == "div":
+            outs = [ins[0]]
+        elif name in _SQUARE_KEEPS:
+            outs = [any(ins)] * len(eqn.outvars)
+        else:
+            outs = [False] * len(eqn.outvars)
+        for v, f in zip(eqn.outvars, outs):
+            sq[v] = f
+        per_eqn.append((ins, sub_in))
+    outs = tuple(bool(_is_var(v) and sq.get(v, False)) for v in jaxpr.outvars)
+    return tuple(per_eqn), outs
+
+
+def with_boundary(jaxpr: Any, boundary: tuple | None) -> tuple[EqnFacts, ...]:
+    """The facts of every equation of ``jaxpr`` for the interpreter.
+
+    Args:
+        jaxpr: an open jaxpr.
+        boundary: ``(out bits, in_squared)`` from the enclosing equation (see
+            :meth:`EqnFacts.boundary_for`), or None where unknown.
+
+    Returns:
+        One :class:`EqnFacts` per equation.
+    """
+    out_bits, in_sq = boundary if boundary is not None else (None, None)
+    back = analyse(jaxpr, out_bits).eqns
+    fwd, _ = squared_flags(jaxpr, in_sq)
+    return tuple(
+        dataclasses.replace(f, in_squared=ins, sub_in_squared=sub or None)
+        for f, (ins, sub) in zip(back, fwd)
+    )
+
+
+def _root(v: Any, producer: dict) -> Any:
+    """``v`` seen through casts, negation and abs (ops that keep |v|)."""
+    for _ in range(16):
+        eqn = producer.get(v)
+        if eqn is None or eqn.primitive.name not in _SAME_MAGNITUDE:
+            return v
+        v = eqn.invars[0]
+    return v
+
+
+def _quadratic(eqn: Any, producer: dict) -> bool:
+    name = eqn.primitive.name
+    if name in ("square", "pow"):
+        return True
+    if name == "integer_pow":
+        return eqn.params.get("y") not in (0, 1)
+    if name in ("mul", "dot_general") and len(eqn.invars) == 2:
+        a, b = eqn.invars
+        return _is_var(a) and _is_var(b) and _root(a, producer) is _root(b, producer)
+    return False
+
+
+def _log_space_carries(core: Any, n_consts: int, n_carry: int) -> set[int]:
+    """Carry indices of a scan body that a matmul-free path through an exp/log
+    op connects to some carry (a log-space recursion)."""
+    plain: dict[Any, int] = {}
+    logged: dict[Any, int] = {}
+    for c in range(n_carry):
+        plain[core.invars[n_consts + c]] = 1 << c
+    _forward_masks(core, plain, logged)
+    out = set()
+    for c in range(n_carry):
+        v = core.outvars[c]
+        mask = logged.get(v, 0) if _is_var(v) else 0
+        if mask:
+            out.add(c)
+            out.update(i for i in range(n_carry) if mask >> i & 1)
+    return out
+
+
+def _forward_masks(core: Any, plain: dict, logged: dict) -> None:
+    """Propagate carry bitmasks forward through matmul-free paths, marking those
+    that pass a log-space op. Sub-jaxprs of call-like equations are entered."""
+    for eqn in core.eqns:
+        name = eqn.primitive.name
+        ins = [v for v in eqn.invars if _is_var(v)]
+        p = 0
+        lg = 0
+        for v in ins:
+            p |= plain.get(v, 0)
+            lg |= logged.get(v, 0)
+        if not (p or lg) or name in MATMULS:
+            continue
+        subs = _named_subs(eqn.params)
+        if name in _CALLS and len(subs) == 1:
+            inner = subs[0][1]
+            if len(inner.invars) == len(eqn.invars):
+                ip: dict = {}
+                il: dict = {}
+                for iv, v in zip(inner.invars, eqn.invars):
+                    if _is_var(v):
+                        ip[iv] = plain.get(v, 0)
+                        il[iv] = logged.get(v, 0)
+                _forward_masks(inner, ip, il)
+                for ov, v in zip(inner.outvars, eqn.outvars):
+                    if _is_var(ov):
+                        plain[v] = ip.get(ov, 0)
+                        logged[v] = il.get(ov, 0)
+                continue
+        if name in _LOG_OPS:
+            lg |= p
+        for v in eqn.outvars:
+            plain[v] = p
+            logged[v] = lg

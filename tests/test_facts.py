@@ -1,0 +1,385 @@
+"""The value-facts analysis (jaxamp/_facts.py) and the default rules that read it:
+range safety for float16, the float32 loss chain, float32 logits of a softmax,
+mixed-dtype primitives, linear algebra and per-carry scan decisions.
+
+Inputs are pre-rounded to the compute dtype, so a tolerance measures the
+transform's error only. Activations reach the thousands (|x - mean| up to 3e4):
+where float16 squares overflow.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import rel_l2
+
+import jaxamp
+from jaxamp import _facts
+
+F32, BF16, F16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)
+
+
+def rounded(x, dtype):
+    return jnp.asarray(x, jnp.float32).astype(dtype).astype(jnp.float32)
+
+
+def eqn_dtypes(closed, name):
+    return [
+        (tuple(v.aval.dtype for v in e.invars), tuple(v.aval.dtype for v in e.outvars))
+        for e, _ in jaxamp.iter_equations(closed)
+        if e.primitive.name == name
+    ]
+
+
+# ---------------------------------------------------------------- the analysis
+
+
+def test_tail_and_wide_bits():
+    def f(w, x):
+        h = x @ w  # feeds a softmax and another matmul
+        p = jax.nn.softmax(h / 2.0)
+        return -jnp.log((p @ w.T).sum(-1)).mean()
+
+    closed = jax.make_jaxpr(f)(jnp.ones((4, 4)), jnp.ones((2, 4)))
+    facts = _facts.analyse(closed.jaxpr, (0,)).eqns
+    names = [e.primitive.name for e in closed.jaxpr.eqns]
+    dots = [k for k, n in enumerate(names) if n == "dot_general"]
+    assert facts[dots[0]].wide and not facts[dots[0]].tail
+    assert facts[dots[1]].tail and not facts[dots[1]].wide
+    # Everything after the last matmul is the loss chain.
+    assert all(facts[k].tail for k in range(dots[1] + 1, len(names)))
+    # Unknown uses (None): nothing is tail.
+    assert not any(f.tail for f in _facts.analyse(closed.jaxpr, None).eqns)
+
+
+def test_quadratic_sees_through_casts_and_negation():
+    def f(x, y):
+        a = x * x
+        b = x.astype(jnp.bfloat16).astype(jnp.float32) * (-x)
+        c = x * y
+        return a, b, c, x @ x.T
+
+    closed = jax.make_jaxpr(f)(jnp.ones((3, 3)), jnp.ones((3, 3)))
+    facts = _facts.analyse(closed.jaxpr, (0, 0, 0, 0)).eqns
+    quad = {
+        (e.primitive.name, f.quadratic)
+        for e, f in zip(closed.jaxpr.eqns, facts)
+        if e.primitive.name in ("mul", "dot_general")
+    }
+    muls = [
+        f.quadratic
+        for e, f in zip(closed.jaxpr.eqns, facts)
+        if e.primitive.name == "mul"
+    ]
+    assert muls == [True, True, False]
+    assert ("dot_general", True) in quad
+
+
+# ---------------------------------------------------- range safety for float16
+
+SCALE = 3e4  # |x - mean| up to 3e4: squares up to 9e8, far beyond float16's 65504
+
+
+def _inputs(d=32):
+    k = np.random.RandomState(0)
+    x = rounded(k.randn(8, d), F16)
+    w_in = rounded(np.eye(d) * SCALE / 4, F16)  # h = x @ w_in: |h| up to ~3e4
+    w_out = rounded(k.randn(d, 4) / np.sqrt(d), F16)
+    return w_in, w_out, x
+
+
+def _layer_norm(h):
+    mean = h.mean(-1, keepdims=True)
+    var = jnp.square(h - mean).mean(-1, keepdims=True)
+    return (h - mean) * jax.lax.rsqrt(var + 1e-5)
+
+
+def _rms_norm(h):
+    return h * jax.lax.rsqrt((h * h).mean(-1, keepdims=True) + 1e-5)
+
+
+def _by_max(s):
+    return s / jnp.max(s)
+
+
+def _flax_layer_norm(d):
+    from flax import nnx
+
+    ln = nnx.LayerNorm(d, rngs=nnx.Rngs(0))
+    return lambda h: ln(h)
+
+
+NORMALISED = {
+    "square": lambda h: _by_max(jnp.square(h)),
+    "x*x": lambda h: _by_max(h * h),
+    "x**2": lambda h: _by_max(h**2),
+    "var": lambda h: h / jnp.var(h, -1, keepdims=True),
+    "std": lambda h: h / jnp.std(h, -1, keepdims=True),
+    "norm": lambda h: h / jnp.linalg.norm(h, axis=-1, keepdims=True),
+    "layer_norm": _layer_norm,
+    "rms_norm": _rms_norm,
+    "eqx.nn.LayerNorm": jax.vmap(eqx.nn.LayerNorm(32)),
+    "nnx.LayerNorm": "flax",
+}
+
+
+@pytest.mark.parametrize("name", sorted(NORMALISED))
+def test_float16_squares_norms_and_statistics_match_float32(name):
+    op = NORMALISED[name]
+    if op == "flax":
+        pytest.importorskip("flax", reason="flax is in the [dev] extra")
+        op = _flax_layer_norm(32)
+
+    def loss(w_in, w_out, x):
+        # op(h) feeds a matmul: the range rule decides, not the loss chain's.
+        return (op(x @ w_in) @ w_out).sum() * 0.25  # cotangent x activation < 65504
+
+    args = _inputs()
+    h = args[2] @ args[0]
+    assert float(jnp.abs(h - h.mean(-1, keepdims=True)).max()) > 1e4
+    amp_loss = jaxamp.amp(loss, compute_dtype=jnp.float16)
+    np.testing.assert_allclose(amp_loss(*args), loss(*args), rtol=1e-2)
+    g = jax.grad(amp_loss, argnums=(0, 1))(*args)
+    g_ref = jax.grad(loss, argnums=(0, 1))(*args)
+    assert all(np.isfinite(a).all() for a in g)
+    assert rel_l2(g, g_ref) < 1e-2
+    # Every square of the forward and backward pass runs in float32.
+    closed = jax.make_jaxpr(jax.grad(amp_loss))(*args)
+    for e, _ in jaxamp.iter_equations(closed):
+        if e.primitive.name == "square" or (
+            e.primitive.name == "integer_pow" and abs(e.params["y"]) >= 2
+        ):
+            assert e.invars[0].aval.dtype == F32, e
+
+
+def test_without_the_range_rule_float16_collapses_silently():
+    """The check above can fail: with ``square`` forced to float16 the LayerNorm
+    returns exact zeros, with no inf or NaN (the GPU run's collapse)."""
+    bad = {**jaxamp.default_amp_policy, "square": jaxamp.use_compute_precision}
+    f = jaxamp.amp(
+        lambda w, x: _layer_norm(x @ w),
+        compute_dtype=jnp.float16,
+        amp_policy=bad,
+        overflow_check=False,
+    )
+    w_in, _, x = _inputs()
+    out = f(w_in, x)
+    assert np.isfinite(out).all() and float(jnp.abs(out).max()) == 0.0
+
+
+def test_bfloat16_statistics_in_float32_other_squares_follow():
+    def f(w, x):
+        h = x @ w
+        gelu_cube = h**3  # an activation: bfloat16 has the range
+        return (_layer_norm(h) @ w + gelu_cube @ w).sum()
+
+    w, _, x = _inputs()
+    closed = jax.make_jaxpr(jaxamp.amp(f, compute_dtype=jnp.bfloat16))(w, x)
+    assert eqn_dtypes(closed, "square") == [((F32,), (F32,))]
+    assert eqn_dtypes(closed, "integer_pow") == [((BF16,), (BF16,))]
+
+
+def test_widened_squares_save_no_float32_copy():
+    """The float32 cast of a low-precision input to a square is recomputed in
+    the backward pass, not saved: LayerNorm saves the same bytes as with the
+    square in the compute dtype."""
+
+    def f(w, x):
+        return (_layer_norm(x @ w) @ w).sum()
+
+    w, _, x = _inputs()
+    unsafe = {**jaxamp.default_amp_policy, "square": jaxamp.follow_compute_precision}
+    safe_bytes = jaxamp.saved_residual_bytes(
+        jaxamp.amp(f, compute_dtype=jnp.bfloat16), w, x
+    )
+    low_bytes = jaxamp.saved_residual_bytes(
+        jaxamp.amp(f, compute_dtype=jnp.bfloat16, amp_policy=unsafe), w, x
+    )
+    assert safe_bytes <= low_bytes
+
+
+# --------------------------------------------------------- the loss chain
+
+
+def test_cross_entropy_after_the_last_matmul_is_float32():
+    """256 x 8192 logits: amp's loss is within 2x the error of "bfloat16 logits,
+    float32 loss" (a hand-written model); follow-everything was 60x."""
+    k = np.random.RandomState(1)
+    h = rounded(k.randn(256, 64), BF16)
+    w = rounded(k.randn(64, 8192) / 8.0, BF16)
+    labels = jnp.asarray(k.randint(0, 8192, 256))
+
+    def loss(w, h):
+        logits = h @ w
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    def by_hand(w, h):
+        logits = (h.astype(BF16) @ w.astype(BF16)).astype(F32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    ref = float(jax.jit(loss)(w, h))
+    hand_err = abs(float(jax.jit(by_hand)(w, h)) - ref) / ref
+    amp_err = (
+        abs(float(jax.jit(jaxamp.amp(loss, compute_dtype=BF16))(w, h)) - ref) / ref
+    )
+    assert amp_err <= 2 * max(hand_err, 1e-7), (amp_err, hand_err)
+    closed = jax.make_jaxpr(jaxamp.amp(loss, compute_dtype=BF16))(w, h)
+    (dot,) = eqn_dtypes(closed, "dot_general")
+    assert dot == ((BF16, BF16), (F32,))  # bfloat16 product, float32 logits
+    for name in ("sub", "exp", "log", "reduce_max"):
+        assert all(o == (F32,) for _, o in eqn_dtypes(closed, name)), name
+    # The backward matmuls run in bfloat16 (the cotangent is narrowed once).
+    g_closed = jax.make_jaxpr(jax.grad(jaxamp.amp(loss, compute_dtype=BF16)))(w, h)
+    assert all(i == (BF16, BF16) for i, _ in eqn_dtypes(g_closed, "dot_general"))
+
+
+def test_attention_logits_stay_float32():
+    k = np.random.RandomState(2)
+    q, kk, v = (rounded(k.randn(2, 16, 4, 8), BF16) for _ in range(3))
+    wq = rounded(k.randn(8, 8) / 3, BF16)
+
+    def f(wq, q, k, v):
+        out = jax.nn.dot_product_attention(q @ wq, k, v, implementation="xla")
+        return (out @ wq).sum()
+
+    closed = jax.make_jaxpr(jaxamp.amp(f, compute_dtype=BF16))(wq, q, kk, v)
+    dots = eqn_dtypes(closed, "dot_general")
+    # q @ wq and the probabilities @ v stay bfloat16; q.k logits are float32.
+    assert ((BF16, BF16), (F32,)) in dots
+    assert ((BF16, BF16), (BF16,)) in dots
+    g = jax.grad(jaxamp.amp(f, compute_dtype=BF16), argnums=(0, 1, 2, 3))(wq, q, kk, v)
+    g_ref = jax.grad(f, argnums=(0, 1, 2, 3))(wq, q, kk, v)
+    assert rel_l2(g, g_ref) < 2e-2
+
+
+# ------------------------------------------------------ mixed-dtype primitives
+
+
+def _mixed_primitive():
+    prim = jax.extend.core.Primitive("jaxamp_test_mixed")
+
+    def abstract(x, s):
+        if x.dtype != BF16 or s.dtype != F32:
+            raise TypeError(f"mixed takes (bf16, f32), got ({x.dtype}, {s.dtype})")
+        return jax.core.ShapedArray(x.shape, F32)
+
+    prim.def_abstract_eval(abstract)
+    prim.def_impl(lambda x, s: x.astype(F32) * s)
+    jax.interpreters.mlir.register_lowering(
+        prim, jax.interpreters.mlir.lower_fun(lambda x, s: x.astype(F32) * s, False)
+    )
+    return prim
+
+
+MIXED = _mixed_primitive()
+
+
+def test_a_primitive_with_a_mixed_signature_keeps_it():
+    s = jnp.full((3, 4), 1000.5, F32)  # not representable in bfloat16
+
+    def f(w, x):
+        h = (x @ w).astype(BF16)
+        return (MIXED.bind(h, s) @ w).sum()
+
+    w, x = jnp.eye(4) / 2, jnp.ones((3, 4))
+    amp_f = jaxamp.amp(f, compute_dtype=BF16)
+    closed = jax.make_jaxpr(amp_f)(w, x)
+    assert eqn_dtypes(closed, "jaxamp_test_mixed") == [((BF16, F32), (F32,))]
+    np.testing.assert_allclose(amp_f(w, x), f(w, x), rtol=1e-2)
+
+
+@jax.custom_vjp
+def _scaled(x, s):
+    return MIXED.bind(x, s)
+
+
+def _scaled_fwd(x, s):
+    return MIXED.bind(x, s), (x, s)
+
+
+def _scaled_bwd(res, g):
+    x, s = res
+    # The residuals mix bfloat16 and float32 (cuDNN attention's do the same).
+    gx = MIXED.bind(g.astype(BF16), s).astype(BF16)
+    return gx, (g * x.astype(F32))
+
+
+_scaled.defvjp(_scaled_fwd, _scaled_bwd)
+
+
+def test_checkpointed_custom_vjp_with_mixed_residuals_same_gradients():
+    s = jnp.full((3, 4), 1000.5, F32)
+
+    def f(w, x):
+        layer = jax.checkpoint(lambda w: _scaled((x @ w).astype(BF16), s))
+        return (layer(w) @ w).sum()
+
+    w, x = rounded(jnp.eye(4) / 2, BF16), jnp.ones((3, 4))
+    g = jax.grad(jaxamp.amp(f, compute_dtype=BF16))(w, x)
+    g_ref = jax.grad(f)(w, x)
+    assert np.isfinite(g).all()
+    np.testing.assert_allclose(g, g_ref, rtol=1e-2)
+
+
+# ----------------------------------------------- linear algebra and scan carries
+
+
+def test_multivariate_normal_head_runs_in_float32():
+    k = np.random.RandomState(3)
+    x = rounded(k.randn(16, 8), BF16)
+    w = rounded(k.randn(8, 4) / 3, BF16)
+    a = rounded(k.randn(4, 4) / 2, BF16)
+    y = rounded(k.randn(16, 4), BF16)
+
+    def nll(w, a, x, y):
+        mean = x @ w
+        cov = a @ a.T + jnp.eye(4)
+        return -jax.scipy.stats.multivariate_normal.logpdf(y, mean, cov).mean()
+
+    amp_nll = jaxamp.amp(nll, compute_dtype=BF16)
+    np.testing.assert_allclose(amp_nll(w, a, x, y), nll(w, a, x, y), rtol=1e-2)
+    g = jax.grad(amp_nll, argnums=(0, 1))(w, a, x, y)
+    assert rel_l2(g, jax.grad(nll, argnums=(0, 1))(w, a, x, y)) < 2e-2
+    closed = jax.make_jaxpr(amp_nll)(w, a, x, y)
+    assert eqn_dtypes(closed, "cholesky") == [((F32,), (F32,))]
+
+
+def test_ctc_loss_gradients_under_bfloat16():
+    k = np.random.RandomState(4)
+    b, t, d, n_labels = 4, 24, 16, 6
+    x = rounded(k.randn(b, t, d), BF16)
+    w = rounded(k.randn(d, n_labels + 1) / 2, BF16)
+    labels = jnp.asarray(k.randint(1, n_labels + 1, (b, 8)))
+    pad_in, pad_lab = jnp.zeros((b, t)), jnp.zeros((b, 8))
+
+    def loss(w, x):
+        return optax.ctc_loss(x @ w, pad_in, labels, pad_lab).mean()
+
+    g = jax.grad(jaxamp.amp(loss, compute_dtype=BF16))(w, x)
+    assert rel_l2(g, jax.grad(loss)(w, x)) < 5e-2
+
+
+def _hmm_forward(log_a, log_e):
+    def step(alpha, e):
+        alpha = jax.nn.logsumexp(alpha[:, None] + log_a, axis=0) + e
+        return alpha, None
+
+    return jax.lax.scan(step, log_e[0], log_e[1:])[0]
+
+
+def test_log_space_carry_is_not_narrowed_residual_stream_is():
+    """A log-space recursion in the middle of a model keeps float32 carries;
+    a residual stream of matmul layers is narrowed to bfloat16."""
+
+    def f(w, x):
+        log_e = jax.nn.log_softmax(x @ w)  # (T, S): emission log-probabilities
+        alpha = _hmm_forward(jnp.log(jnp.full((4, 4), 0.25)), log_e)
+        h, _ = jax.lax.scan(lambda h, _: (h + jnp.tanh(h @ w), None), x, None, 3)
+        return ((alpha @ w.T) + h.sum()).sum()  # alpha feeds a matmul
+
+    w, x = jnp.eye(4) / 2, jnp.ones((6, 4))
+    closed = jax.make_jaxpr(jaxamp.amp(f, compute_dtype=BF16))(w, x)
+    scans = [e for e, _ in jaxamp.iter_equations(closed) if e.primitive.name == "scan"]
+    assert [s.outvars[0].aval.dtype for s in scans] == [F32, BF16]
