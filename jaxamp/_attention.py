@@ -368,9 +368,16 @@ def _marked_spec(eqn: Any) -> _Spec | None:
     if not name.startswith(_MARK):
         return None
     try:
-        return _SPECS[int(name[len(_MARK) :])]
+        spec = _SPECS[int(name[len(_MARK) :])]
     except (ValueError, IndexError):
         return None
+    # A marked jit that a transformation re-wrote keeps the name but not the
+    # signature (partial evaluation, DCE, e.g. amp around value_and_grad): such
+    # an equation is an ordinary jit, walked by the ordinary rules.
+    flags = (spec.has_bias, spec.has_mask, spec.has_q_seqlen, spec.has_kv_seqlen)
+    if len(eqn.invars) != 3 + sum(flags) or len(eqn.outvars) != 1:
+        return None
+    return spec
 
 
 # --------------------------------------------------------------------------------

@@ -440,3 +440,15 @@ def test_nested_scope_policy_and_bad_rule():
     assert _fused(jaxamp.amp(fn, compute_dtype=jnp.bfloat16), *_qkv()) > 0
     with pytest.raises(ValueError, match="implementation"):
         jaxamp.attention_rule("flash")
+
+
+def test_amp_around_grad_of_attention():
+    """amp over an already-differentiated function: the marked jits that
+    value_and_grad re-wrote (partial evaluation) are ordinary jits; the
+    gradients still match float32."""
+    args = _qkv()
+    loss = lambda q, k, v: jnp.sum(jax.nn.dot_product_attention(q, k, v) ** 2)
+    grad = jax.grad(loss, (0, 1, 2))
+    g = jaxamp.amp(grad, compute_dtype=jnp.bfloat16)(*args)
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(g))
+    assert rel_l2(g, grad(*args)) < TOL
