@@ -23,6 +23,16 @@ equation's values *are*:
   multiplied by itself or matmul'd with itself, seen through casts and negation):
   its output can leave float16's range from in-range inputs;
 
+* per equation: ``centring``, a ``sub`` of a value's own mean (``x - mean(x)``,
+  the mean seen through broadcasts, reshapes and the division by the count): the
+  centring of a LayerNorm, a variance, a standardisation. It runs in float32,
+  and so, by "follow", does the normalisation after it (the ``mul``/``div`` of
+  the centred value by ``rsqrt(var)``); ``after_normalisation``: an equation
+  reading such a normalised value (the gain, the bias) runs in the compute
+  dtype again. That is LayerNorm as a careful hand-written model computes it
+  (``((x - m) * rsqrt(v)).astype(bfloat16) * g``): float32 statistics and
+  normalisation, one rounding, residuals of the compute dtype after it;
+
 * per ``scan``: which float carries may be narrowed to the compute dtype. A
   carry is narrowed only if it reaches a matmul in the body (an activation such
   as the residual stream) and no matmul-free path from a carry into it passes
@@ -134,6 +144,9 @@ class EqnFacts:
     Attributes:
         out_bits: per output, the OR of ``REACH``/``WIDE``/``SUM`` of its uses.
         quadratic: the equation squares a value (see the module docstring).
+        centring: the equation subtracts a value's own mean (module docstring).
+        after_normalisation: an input is a centred value multiplied or divided
+            by something (a normalised value: module docstring).
         narrow_carries: for a ``scan``, per carry, whether it may be narrowed.
         sub_out_bits: ``id(sub-jaxpr param) -> out bits`` for higher-order
             equations, the facts the sub-jaxpr's analysis starts from.
@@ -144,6 +157,8 @@ class EqnFacts:
 
     out_bits: tuple[int, ...] = ()
     quadratic: bool = False
+    centring: bool = False
+    after_normalisation: bool = False
     narrow_carries: tuple[bool, ...] = ()
     sub_out_bits: Any = None  # dict, or None
     in_squared: tuple[bool, ...] = ()
@@ -294,9 +309,30 @@ def _analyse(jaxpr: Any, out_bits: tuple[int, ...]) -> JaxprFacts:
         for v, b in zip(eqn.invars, in_bits):
             if _is_var(v) and b:
                 bits[v] = bits.get(v, 0) | b
-        facts[k] = EqnFacts(out_bits=outs, quadratic=_quadratic(eqn, producer), **extra)
+        facts[k] = EqnFacts(
+            out_bits=outs,
+            quadratic=_quadratic(eqn, producer),
+            centring=_centring(eqn, producer),
+            **extra,
+        )
+    _mark_normalisations(jaxpr, facts)
     in_bits = tuple(bits.get(v, 0) for v in jaxpr.invars)
     return JaxprFacts(tuple(facts), in_bits)
+
+
+def _mark_normalisations(jaxpr: Any, facts: list) -> None:
+    """Forward: the readers of ``centred * s`` / ``centred / s`` get
+    ``after_normalisation`` (within one jaxpr)."""
+    centred: set = set()
+    normalised: set = set()
+    for k, eqn in enumerate(jaxpr.eqns):
+        ins = [v for v in eqn.invars if _is_var(v)]
+        if facts[k].centring:
+            centred.update(eqn.outvars)
+        elif eqn.primitive.name in ("mul", "div") and any(v in centred for v in ins):
+            normalised.update(eqn.outvars)
+        elif any(v in normalised for v in ins):
+            facts[k] = dataclasses.replace(facts[k], after_normalisation=True)
 
 
 def _eqn_in_bits(eqn: Any, outs: tuple[int, ...]) -> tuple[list[int], dict]:
@@ -478,6 +514,44 @@ def _quadratic(eqn: Any, producer: dict) -> bool:
     if name in ("mul", "dot_general") and len(eqn.invars) == 2:
         a, b = eqn.invars
         return _is_var(a) and _is_var(b) and _root(a, producer) is _root(b, producer)
+    return False
+
+
+# Steps from a reduce_sum to the mean that is subtracted: broadcasts, reshapes,
+# casts and the division (or multiplication) by the count.
+_MEAN_STEPS = frozenset(
+    {
+        "broadcast_in_dim",
+        "reshape",
+        "squeeze",
+        "expand_dims",
+        "convert_element_type",
+        "div",
+        "mul",
+    }
+)
+
+
+def _centring(eqn: Any, producer: dict) -> bool:
+    """``sub(x, m)`` where ``m`` is a mean of ``x`` (both seen through casts)."""
+    if eqn.primitive.name != "sub" or len(eqn.invars) != 2:
+        return False
+    x, v = eqn.invars
+    if not (_is_var(x) and _is_var(v)):
+        return False
+    for _ in range(8):
+        step = producer.get(v)
+        if step is None:
+            return False
+        if step.primitive.name == "reduce_sum":
+            a = step.invars[0]
+            return _is_var(a) and _root(a, producer) is _root(x, producer)
+        if step.primitive.name not in _MEAN_STEPS:
+            return False
+        operands = [u for u in step.invars if _is_var(u)]
+        if len(operands) != 1:  # a mean divides by a constant count
+            return False
+        v = operands[0]
     return False
 
 

@@ -229,6 +229,11 @@ def follow_compute_precision(compute_dtype, original_dtypes, *invars, **params):
       when the product is summed (a sum of squares: a norm or a variance); with
       float16, so does an equation with an input of that magnitude class (a
       variance is never cast down to float16, ``h / jnp.var(h)``);
+    * a value minus its own mean (``x - mean(x)``: LayerNorm, a variance) runs
+      in float32, so the normalisation after it (``* rsqrt(var)``) follows in
+      float32; the equations reading the normalised value (gain, bias) run in
+      the compute dtype: LayerNorm as a careful hand-written model computes it
+      (``((x - m) * rsqrt(v)).astype(bfloat16) * g``);
     * otherwise, if any traced (non-literal, non-weak) float input is already in
       the compute dtype, all float inputs (literals too) are cast to it; if not,
       each float input goes back to its traced dtype.
@@ -241,10 +246,14 @@ def follow_compute_precision(compute_dtype, original_dtypes, *invars, **params):
     if _mixed(original_dtypes, invars) or facts.tail:
         return _original(invars, original_dtypes), params
     critical = _range_critical(compute_dtype)
-    if (facts.quadratic and (critical or facts.summed)) or (
-        critical and facts.squared_input
+    if (
+        (facts.quadratic and (critical or facts.summed))
+        or (critical and facts.squared_input)
+        or facts.centring
     ):
         return use_full_precision(compute_dtype, original_dtypes, *invars, **params)
+    if facts.after_normalisation:
+        return use_compute_precision(compute_dtype, original_dtypes, *invars, **params)
     return _follow(compute_dtype, original_dtypes, invars), params
 
 

@@ -181,6 +181,80 @@ def test_bfloat16_statistics_in_float32_other_squares_follow():
     assert eqn_dtypes(closed, "integer_pow") == [((BF16,), (BF16,))]
 
 
+LAYER_NORMS = {
+    "hand-written": lambda h: _layer_norm(h) * jnp.linspace(0.5, 1.5, 32),
+    "eqx.nn.LayerNorm": jax.vmap(eqx.nn.LayerNorm(32)),
+    "nnx.LayerNorm": "flax",
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYER_NORMS))
+def test_layer_norm_centring_float32_gain_bfloat16(name):
+    """LayerNorm as a careful hand-written bf16 model computes it: ``x - mean``
+    and the normalisation in float32, the gain (and bias) in bfloat16, one
+    rounding between them."""
+    op = LAYER_NORMS[name]
+    if op == "flax":
+        pytest.importorskip("flax", reason="flax is in the [dev] extra")
+        op = _flax_layer_norm(32)
+
+    def f(w, x):
+        return (op(x @ w) @ w).sum()
+
+    w, _, x = _inputs()
+    closed = jax.make_jaxpr(jaxamp.amp(f, compute_dtype=jnp.bfloat16))(w, x)
+    full = [
+        (e.primitive.name, e.outvars[0].aval.dtype)
+        for e, _ in jaxamp.iter_equations(closed)
+        if e.primitive.name in ("sub", "mul", "add")
+        and e.outvars[0].aval.shape[-1:] == (32,)
+        and e.outvars[0].aval.ndim >= 1
+        and e.outvars[0].aval.size == x.size
+    ]
+    subs = [d for n, d in full if n == "sub"]
+    assert subs and all(d == F32 for d in subs), full  # x - mean(x)
+    # The normalisation in float32, what reads it (gain, or flax's bias after a
+    # gain folded into rsqrt(var)) in bfloat16.
+    assert F32 in [d for n, d in full if n == "mul"], full
+    assert BF16 in [d for n, d in full if n in ("mul", "add")], full
+    dots = eqn_dtypes(closed, "dot_general")
+    assert all(ins == (BF16, BF16) for ins, _ in dots), dots
+
+
+def test_layer_norm_of_offset_activations_matches_float32():
+    """Activations with a common offset (mean ~1000, deviations ~16): in
+    bfloat16, ``x - mean`` rounds the mean to bfloat16's spacing of 8 there; in
+    float32 the centring is exact on bfloat16 inputs."""
+    k = np.random.RandomState(1)
+    x = rounded(1000.0 + 16.0 * k.randn(64, 128), BF16)
+    eye = jnp.eye(128)  # h = x @ eye is x, exactly, in bfloat16
+    w = rounded(k.randn(128, 16) / np.sqrt(128), BF16)
+    ln = jax.vmap(eqx.nn.LayerNorm(128))
+
+    def f(x, w):
+        return ln(x @ eye) @ w
+
+    ref = f(x, w)
+    out = jaxamp.amp(f, compute_dtype=jnp.bfloat16)(x, w)
+    assert rel_l2(out, ref) < 1e-2
+    # The check can fail: with the centring in bfloat16 the error is larger.
+    low_sub = {**jaxamp.default_amp_policy, "sub": jaxamp.use_compute_precision}
+    bad = jaxamp.amp(f, compute_dtype=jnp.bfloat16, amp_policy=low_sub)(x, w)
+    assert rel_l2(bad, ref) > 3 * rel_l2(out, ref)
+    g = jax.grad(lambda x: jaxamp.amp(f, compute_dtype=jnp.bfloat16)(x, w).sum())(x)
+    g_ref = jax.grad(lambda x: f(x, w).sum())(x)
+    assert rel_l2(g, g_ref) < 3e-2
+
+
+def test_subtracting_another_value_is_no_centring():
+    def f(w, x, y):
+        return ((x @ w - y.mean(-1, keepdims=True)) @ w).sum()
+
+    w, _, x = _inputs()
+    closed = jax.make_jaxpr(jaxamp.amp(f, compute_dtype=jnp.bfloat16))(w, x, x + 1)
+    assert [o for _, (o,) in eqn_dtypes(closed, "sub")] == [BF16]
+
+
 def test_widened_squares_save_no_float32_copy():
     """The float32 cast of a low-precision input to a square is recomputed in
     the backward pass, not saved: LayerNorm saves the same bytes as with the
