@@ -244,9 +244,35 @@ def _apply_rule(eqn, invals, ctx: AmpContext, scopes) -> Any:
     # copy would be a residual as large as the activation, twice its bytes).
     if prim.name in MATMULS and _casts_only_held(invals, ctx.compute_dtype):
         return _recomputing_casts(apply, invals)
-    if _facts.current_facts().quadratic and any(map(_is_low, invals)):
+    if _facts.current_facts().quadratic and _widens_low(
+        rule, ctx, original, invals, params
+    ):
         return _recomputing_casts(apply, invals)
     return apply(*invals)
+
+
+def _widens_low(rule, ctx: AmpContext, original, invals, params) -> bool:
+    """The rule casts a low-precision input up (a square widened to float32),
+    found by running it abstractly. A square left in the compute dtype (a
+    bfloat16 GELU's ``x**3``) is not wrapped in a checkpoint, which would only
+    keep XLA from fusing its backward pass."""
+    idx = [i for i, x in enumerate(invals) if isinstance(x, jax.Array)]
+    if not any(_is_low(invals[i]) for i in idx):
+        return False
+
+    def dtypes(*arrays):
+        vals = list(invals)
+        for i, a in zip(idx, arrays):
+            vals[i] = a
+        new_in, _ = rule(ctx.compute_dtype, original, *vals, **params)
+        return [new_in[i] for i in idx]
+
+    with cast_cache():  # the abstract casts must not reach the walk's cache
+        new = jax.eval_shape(dtypes, *(invals[i] for i in idx))
+    return any(
+        _is_low(invals[i]) and np.dtype(y.dtype).itemsize > invals[i].dtype.itemsize
+        for i, y in zip(idx, new)
+    )
 
 
 def _is_low(x: Any) -> bool:

@@ -109,11 +109,13 @@ def test_forward_mode_and_second_order():
 
 
 def test_no_extra_residuals():
-    """The wrappers save what the same bfloat16 computation saves by hand."""
+    """The wrappers save what the same bfloat16 computation saves by hand.
+    (``h`` minus the mean of *another* value: a centring ``h - mean(h)`` runs in
+    float32 by design, tests/test_facts.py.)"""
 
     def f(x, w, g, b):
         h = x @ w + b
-        h = (h - h.mean(-1, keepdims=True)) * g / (1.0 + b * b)
+        h = (h - (x @ w).mean(-1, keepdims=True)) * g / (1.0 + b * b)
         return (h @ w.T).astype(F32).sum()  # feeds a matmul: not the loss chain
 
     def by_hand(x, w, g, b):
