@@ -50,6 +50,9 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import run as _run  # noqa: E402  (benchmarks/run.py: the same GPT on CPU)
+
 import jaxamp  # noqa: E402
 
 SIZES = {  # d_model, layers, seq, batch, heads, vocab
@@ -62,28 +65,9 @@ BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 
 
 def init(size: str, seed: int = 0):
-    """float32 parameters pre-rounded to bfloat16, and an int32 batch."""
-    d, L, T, B, _, V = SIZES[size]
-    ks = jax.random.split(jax.random.key(seed), 8)
-
-    def n(k, shape, scale):
-        return (jax.random.normal(k, shape) * scale).astype(BF16).astype(F32)
-
-    params = {
-        "emb": n(ks[0], (V, d), 0.02),
-        "pos": n(ks[1], (T, d), 0.01),
-        "layers": {
-            "ln1": jnp.ones((L, d)),
-            "qkv": n(ks[2], (L, d, 3 * d), d**-0.5),
-            "o": n(ks[3], (L, d, d), (2 * L * d) ** -0.5),
-            "ln2": jnp.ones((L, d)),
-            "up": n(ks[4], (L, d, 4 * d), d**-0.5),
-            "down": n(ks[5], (L, 4 * d, d), (8 * L * d) ** -0.5),
-        },
-        "lnf": jnp.ones(d),
-    }
-    tok = jax.random.randint(ks[6], (B, T + 1), 0, V)
-    return params, tok[:, :-1], tok[:, 1:]
+    """float32 parameters pre-rounded to bfloat16, and an int32 batch: the
+    model of ``benchmarks/run.py`` at this module's sizes."""
+    return _run.init(size, seed, sizes=SIZES)
 
 
 def model_flops(size: str) -> float:
@@ -93,11 +77,7 @@ def model_flops(size: str) -> float:
     return 6 * matmul_params * B * T + 12 * B * T * T * d * L
 
 
-def _ln(x, g, f32_stats):
-    xs = x.astype(F32) if f32_stats else x
-    m = xs.mean(-1, keepdims=True)
-    v = jnp.square(xs - m).mean(-1, keepdims=True)
-    return ((xs - m) * jax.lax.rsqrt(v + 1e-5)).astype(x.dtype) * g
+_ln = _run._ln  # LayerNorm; float32 statistics in the hand-written variant
 
 
 def make_loss(size: str, implementation: str | None, hand: bool) -> Callable:

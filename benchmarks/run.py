@@ -53,9 +53,10 @@ H100_BF16_PEAK = 989e12  # dense bf16 FLOP/s, NVIDIA H100 SXM datasheet
 BF16 = jnp.bfloat16
 
 
-def init(size: str, seed: int = 0):
-    """float32 parameters (pre-rounded to bfloat16) and an int32 batch."""
-    d, L, T, B, _, V = SIZES[size]
+def init(size: str, seed: int = 0, sizes: dict | None = None):
+    """float32 parameters (pre-rounded to bfloat16) and an int32 batch of the
+    size named ``size`` in ``sizes`` (default: this module's ``SIZES``)."""
+    d, L, T, B, _, V = (SIZES if sizes is None else sizes)[size]
     ks = jax.random.split(jax.random.key(seed), 8)
     n = lambda k, s, sc: (jax.random.normal(k, s) * sc).astype(BF16).astype(jnp.float32)
     params = {
