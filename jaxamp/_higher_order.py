@@ -28,7 +28,15 @@ import jax
 
 from . import _compat, _facts
 from ._dtypes import dtype_of
-from ._interpreter import AmpContext, check_rule_result, eval_jaxpr, is_held, restore
+from ._interpreter import (
+    AmpContext,
+    check_rule_result,
+    eval_jaxpr,
+    is_held,
+    recomputed,
+    recomputing,
+    restore,
+)
 from ._rules import cast_cache
 
 HigherOrderRule = Callable[[Any, list, AmpContext], Any]
@@ -89,7 +97,7 @@ def rewrite_jaxpr(
     # The value facts of the outputs' uses, as the enclosing equation's analysis
     # found them (None when traced lazily, e.g. a jvp rule under jax.grad).
     edge = _facts.current_facts().boundary_for(jaxpr)
-    key = (ctx.key, in_dtypes, out_dtypes, held, edge)
+    key = (ctx.key, in_dtypes, out_dtypes, held, edge, recomputed())
     if key not in per_jaxpr:
         new = _retrace(jaxpr, ctx, in_dtypes, out_dtypes, held, edge)
         per_jaxpr[key] = _compat.like(jaxpr, new)
@@ -172,7 +180,8 @@ def _call(eqn: Any, invals: list, ctx: AmpContext) -> Any:
     # policy decides what is saved (a dots_saveable policy must see the dots).
     remat = eqn.primitive.name in ("remat2", "checkpoint")
     held = () if remat else tuple(map(is_held, invals))
-    params[name] = rewrite_jaxpr(params[name], ctx, in_dtypes, FREE, held)
+    with recomputing(remat):
+        params[name] = rewrite_jaxpr(params[name], ctx, in_dtypes, FREE, held)
     if params[name] is None:
         return run_unchanged(eqn, invals, ctx)
     bparams = _compat.bind_params(eqn.primitive, params)

@@ -7,6 +7,7 @@ This module is mechanism only. Which dtype a primitive runs in is data
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -30,6 +31,29 @@ AMP_REGION = "jaxamp.amp"
 _HELD: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
     "jaxamp_held", default=None
 )
+
+
+# True while amp rewrites the body of a user's jax.checkpoint: its residuals are
+# recomputed anyway, so a square is not wrapped in a checkpoint of its own (that
+# would only keep XLA from fusing its backward pass: 2 ms a step on an H100).
+_RECOMPUTED: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "jaxamp_recomputed", default=False
+)
+
+
+def recomputed() -> bool:
+    """Whether the walk is inside a user's ``jax.checkpoint`` body."""
+    return _RECOMPUTED.get()
+
+
+@contextlib.contextmanager
+def recomputing(active: bool = True):
+    """Mark the walks in this block as inside a user's ``jax.checkpoint``."""
+    token = _RECOMPUTED.set(active or _RECOMPUTED.get())
+    try:
+        yield
+    finally:
+        _RECOMPUTED.reset(token)
 
 
 def is_held(x: Any) -> bool:
@@ -244,35 +268,10 @@ def _apply_rule(eqn, invals, ctx: AmpContext, scopes) -> Any:
     # copy would be a residual as large as the activation, twice its bytes).
     if prim.name in MATMULS and _casts_only_held(invals, ctx.compute_dtype):
         return _recomputing_casts(apply, invals)
-    if _facts.current_facts().quadratic and _widens_low(
-        rule, ctx, original, invals, params
-    ):
-        return _recomputing_casts(apply, invals)
+    if _facts.current_facts().quadratic and any(map(_is_low, invals)):
+        if not _RECOMPUTED.get():  # in a user's checkpoint it would only cost fusion
+            return _recomputing_casts(apply, invals)
     return apply(*invals)
-
-
-def _widens_low(rule, ctx: AmpContext, original, invals, params) -> bool:
-    """The rule casts a low-precision input up (a square widened to float32),
-    found by running it abstractly. A square left in the compute dtype (a
-    bfloat16 GELU's ``x**3``) is not wrapped in a checkpoint, which would only
-    keep XLA from fusing its backward pass."""
-    idx = [i for i, x in enumerate(invals) if isinstance(x, jax.Array)]
-    if not any(_is_low(invals[i]) for i in idx):
-        return False
-
-    def dtypes(*arrays):
-        vals = list(invals)
-        for i, a in zip(idx, arrays):
-            vals[i] = a
-        new_in, _ = rule(ctx.compute_dtype, original, *vals, **params)
-        return [new_in[i] for i in idx]
-
-    with cast_cache():  # the abstract casts must not reach the walk's cache
-        new = jax.eval_shape(dtypes, *(invals[i] for i in idx))
-    return any(
-        _is_low(invals[i]) and np.dtype(y.dtype).itemsize > invals[i].dtype.itemsize
-        for i, y in zip(idx, new)
-    )
 
 
 def _is_low(x: Any) -> bool:

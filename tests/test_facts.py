@@ -274,28 +274,38 @@ def test_widened_squares_save_no_float32_copy():
     assert safe_bytes <= low_bytes
 
 
-def test_only_widened_squares_are_checkpointed():
-    """A square cast up to float32 re-casts its input in the backward pass (a
-    checkpoint); a bfloat16 GELU's ``x**3`` stays in bfloat16 and unwrapped, so
-    XLA can fuse its backward pass (on the H100 the wrapper cost 2 ms a step)."""
+def test_squares_have_their_own_checkpoint_outside_a_users_only():
+    """Outside a user's ``jax.checkpoint`` a square of a low-precision value runs
+    in a checkpoint of its own: the backward pass recomputes it from its input
+    instead of saving a second activation-sized residual (GELU's ``x**3``).
+    Inside one, residuals are recomputed anyway, and the extra checkpoint would
+    only keep XLA from fusing the backward pass (2 ms a step on the H100)."""
 
-    def f(w, x):
-        h = x @ w
-        return (jax.nn.gelu(h) @ w + _layer_norm(h) @ w).sum()
+    def layer(h, w):
+        return jax.nn.gelu(h @ w) @ w
 
-    def wrapped(dtype):
-        closed = jax.make_jaxpr(jaxamp.amp(f, compute_dtype=dtype))(*_inputs()[::2])
-        return {
-            e.primitive.name
+    def plain(w, x):
+        return layer(x @ w, w).sum()
+
+    def checkpointed(w, x):
+        return jax.checkpoint(layer)(x @ w, w).sum()
+
+    def square_checkpoints(fn):
+        closed = jax.make_jaxpr(jaxamp.amp(fn, compute_dtype=jnp.bfloat16))(*args)
+        return sum(
+            [e.primitive.name for e in r.params["jaxpr"].eqns] == ["integer_pow"]
             for r, _ in jaxamp.iter_equations(closed)
             if r.primitive.name == "remat2"
-            for e in r.params["jaxpr"].eqns
-            if e.primitive.name in ("integer_pow", "square")
-        }
+        )
 
-    # LayerNorm's square reads the float32 centred value: nothing to re-cast.
-    assert wrapped(jnp.bfloat16) == set()
-    assert wrapped(jnp.float16) == {"integer_pow"}  # x**3 widened from float16
+    args = _inputs()[::2]
+    assert square_checkpoints(plain) == 1
+    assert square_checkpoints(checkpointed) == 0
+    by_hand = lambda w, x: plain(w.astype(BF16), x.astype(BF16))  # noqa: E731
+    amp_bytes = jaxamp.saved_residual_bytes(
+        jaxamp.amp(plain, compute_dtype=jnp.bfloat16), *args
+    )
+    assert amp_bytes < jaxamp.saved_residual_bytes(by_hand, *args)
 
 
 # --------------------------------------------------------- the loss chain
