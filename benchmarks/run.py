@@ -188,11 +188,13 @@ def _trace_times(fns: dict[str, Callable], args: tuple, repeats: int) -> dict:
 
 
 def _rel_l2(g, ref) -> float:
+    """Relative L2 distance of two pytrees of arrays, computed in float32."""
+    f32 = jnp.float32
     num = sum(
-        float(jnp.sum(jnp.square(a - b)))
+        float(jnp.sum(jnp.square(a.astype(f32) - b.astype(f32))))
         for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref))
     )
-    den = sum(float(jnp.sum(jnp.square(b))) for b in jax.tree.leaves(ref))
+    den = sum(float(jnp.sum(jnp.square(b.astype(f32)))) for b in jax.tree.leaves(ref))
     return (num / den) ** 0.5
 
 
