@@ -39,6 +39,13 @@ equation's values *are*:
   an ``exp``/``log`` (a log-space recursion such as CTC's or an HMM's forward
   pass keeps its traced dtype).
 
+* per ``scan`` input, read on the body amp has rewritten
+  (:func:`narrowed_inputs`): the one narrower float dtype that every use of
+  the input converts it to (a weight that every matmul reads in the compute
+  dtype), and (:func:`recomputed_inputs`, on the traced body) whether every
+  use is inside a user's ``jax.checkpoint``. The scan rule casts such inputs
+  once, before the loop (see ``_higher_order``).
+
 Sub-jaxprs are analysed with the bits of the values their outputs feed in the
 enclosing jaxpr (a scan's carries to a fixpoint), so facts cross ``jit``,
 ``scan``, ``while``, ``cond``, ``remat`` and custom-derivative boundaries. Where
@@ -54,7 +61,10 @@ import dataclasses
 import weakref
 from typing import Any
 
+import numpy as np
+
 from . import _compat
+from ._dtypes import is_float
 
 REACH, WIDE, SUM = 1, 2, 4
 ALL = REACH  # conservative bits for an output whose consumers are unknown
@@ -607,3 +617,93 @@ def _forward_masks(core: Any, plain: dict, logged: dict) -> None:
         for v in eqn.outvars:
             plain[v] = p
             logged[v] = lg
+
+
+# Call-like primitives whose body runs once, as called: a use inside the body is
+# a use of the equation's input (custom derivatives are not entered: their rules
+# may read the input in any dtype).
+_PLAIN_CALLS = frozenset(
+    {"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint"}
+)
+_REMATS = frozenset({"remat2", "checkpoint"})
+
+
+def _leaf_uses(core: Any, var: Any, in_remat: bool = False):
+    """``(eqn, in_remat)`` for every equation using ``var`` in ``core``, the
+    bodies of call-like equations entered; ``eqn`` is None where ``var`` is an
+    output. ``in_remat``: the use is inside a ``jax.checkpoint`` body."""
+    if any(v is var for v in core.outvars):
+        yield None, in_remat
+    for eqn in core.eqns:
+        subs = _named_subs(eqn.params)
+        for pos, v in enumerate(eqn.invars):
+            if v is not var:
+                continue
+            name = eqn.primitive.name
+            if (
+                name in _PLAIN_CALLS
+                and len(subs) == 1
+                and len(subs[0][1].invars) == len(eqn.invars)
+            ):
+                inner = subs[0][1]
+                yield from _leaf_uses(
+                    inner, inner.invars[pos], in_remat or name in _REMATS
+                )
+            else:
+                yield eqn, in_remat
+
+
+def narrowed_inputs(jaxpr: Any) -> tuple[Any, ...]:
+    """Per input of ``jaxpr``: the narrower float dtype that *every* use of it
+    converts it to, else None.
+
+    Read on a body amp has already rewritten: an input all of whose uses are
+    ``convert_element_type`` to one dtype narrower than its own (a float32
+    weight read only by bfloat16 matmuls, directly or inside ``jit``/``remat``
+    bodies) can be passed in that dtype instead, with the same results. An
+    input that is also an output, read by any other equation, or converted to
+    two different dtypes gets None.
+
+    Args:
+        jaxpr: an open or closed jaxpr.
+
+    Returns:
+        One numpy dtype or None per input.
+    """
+    core, _ = _compat.jaxpr_parts(jaxpr)
+    out = []
+    for var in core.invars:
+        seen = set()
+        for eqn, _ in _leaf_uses(core, var):
+            if eqn is None or eqn.primitive.name != "convert_element_type":
+                seen = None
+                break
+            seen.add(np.dtype(eqn.params["new_dtype"]))
+        src = var.aval.dtype
+        ok = seen is not None and len(seen) == 1 and is_float(src)
+        dtype = next(iter(seen)) if ok else None
+        if dtype is not None and (
+            not is_float(dtype) or dtype.itemsize >= np.dtype(src).itemsize
+        ):
+            dtype = None
+        out.append(dtype)
+    return tuple(out)
+
+
+def recomputed_inputs(jaxpr: Any) -> tuple[bool, ...]:
+    """Per input of ``jaxpr``: whether it is used, and only inside the body of
+    a ``jax.checkpoint`` (``remat``), whose backward pass re-runs every use.
+
+    Args:
+        jaxpr: an open or closed jaxpr, as traced (before amp's rewrite, which
+            adds checkpoints of its own).
+
+    Returns:
+        One bool per input.
+    """
+    core, _ = _compat.jaxpr_parts(jaxpr)
+    out = []
+    for var in core.invars:
+        uses = list(_leaf_uses(core, var))
+        out.append(bool(uses) and all(e is not None and r for e, r in uses))
+    return tuple(out)

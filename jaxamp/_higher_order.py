@@ -37,7 +37,7 @@ from ._interpreter import (
     recomputing,
     restore,
 )
-from ._rules import cast_cache
+from ._rules import cast, cast_cache
 
 HigherOrderRule = Callable[[Any, list, AmpContext], Any]
 
@@ -229,12 +229,53 @@ def _scan(eqn: Any, invals: list, ctx: AmpContext) -> Any:
         for i, x in enumerate(invals)
     )
     params = dict(eqn.params)
-    params["jaxpr"] = rewrite_jaxpr(params["jaxpr"], ctx, in_dtypes, out_dtypes, held)
-    if params["jaxpr"] is None:
+    body = rewrite_jaxpr(params["jaxpr"], ctx, in_dtypes, out_dtypes, held)
+    if body is None:
         return run_unchanged(eqn, invals, ctx)
+    # Inputs the rewritten body only reads in a narrower dtype are cast once,
+    # before the loop, and the body is rewritten for them (see _loop_casts).
+    casts = _loop_casts(eqn, body, n_consts, n_carry)
+    if any(d is not None for d in casts):
+        in_dtypes = tuple(c if c is not None else d for c, d in zip(casts, in_dtypes))
+        held = tuple(h and c is None for h, c in zip(held, casts))
+        body = rewrite_jaxpr(params["jaxpr"], ctx, in_dtypes, out_dtypes, held)
+        if body is None:
+            return run_unchanged(eqn, invals, ctx)
+        invals = [x if c is None else cast(x, c) for x, c in zip(invals, casts)]
+    params["jaxpr"] = body
     invals[n_consts : n_consts + n_carry] = carry
     bparams = _compat.bind_params(eqn.primitive, params)
     return _compat.bind(eqn.primitive, invals, bparams)
+
+
+def _loop_casts(eqn: Any, body: Any, n_consts: int, n_carry: int) -> tuple:
+    """Per scan input: the dtype to cast it to once, before the loop, or None.
+
+    A const or xs input that every use in the rewritten ``body`` converts to
+    one narrower dtype (a float32 weight read only by bfloat16 matmuls) is cast
+    before the loop, as a careful engineer casts parameters before
+    ``lax.scan``:
+
+    * consts: one cast instead of one per iteration (and one per iteration
+      again in the backward pass); the low-precision copy is one array.
+    * xs read only inside a user's ``jax.checkpoint`` (scanned, checkpointed
+      layers): the loop casts each layer's weights twice (forward and
+      recomputation) in small kernels and stacks float32 weight gradients.
+      Cast before the loop, the weights are cast once and their gradients
+      are stacked in the compute dtype. The low-precision weight copy is then
+      a residual (as in hand-written bfloat16 code), and the float32 gradient
+      stack it replaces held as many bytes at the backward pass's peak.
+
+    Other xs (a scan without checkpoint) keep the per-matmul casts that the
+    backward pass recomputes from the float32 input, so that no weight copy is
+    among the residuals. Carries are the ``"scan"`` rule's.
+    """
+    narrowed = _facts.narrowed_inputs(body)
+    recomputed = _facts.recomputed_inputs(eqn.params["jaxpr"])
+    return tuple(
+        d if i < n_consts or (i >= n_consts + n_carry and recomputed[i]) else None
+        for i, d in enumerate(narrowed)
+    )
 
 
 @register_higher_order("shard_map")

@@ -491,3 +491,44 @@ def test_log_space_carry_is_not_narrowed_residual_stream_is():
     closed = jax.make_jaxpr(jaxamp.amp(f, compute_dtype=BF16))(w, x)
     scans = [e for e, _ in jaxamp.iter_equations(closed) if e.primitive.name == "scan"]
     assert [s.outvars[0].aval.dtype for s in scans] == [F32, BF16]
+
+
+# --- loop inputs: narrowed_inputs / recomputed_inputs ---
+
+_BF16, _F32, _F16 = np.dtype(jnp.bfloat16), np.dtype(jnp.float32), np.dtype(jnp.float16)
+_V = jnp.ones((4, 4), jnp.float32)
+
+
+def test_narrowed_inputs_sees_through_jit_and_checkpoint():
+    def f(a, b, c, d, e, g):
+        bf = lambda x: x.astype(jnp.bfloat16)
+        inner = jax.checkpoint(lambda x: bf(x) @ bf(x))  # a: only inside remat
+        return (
+            inner(a),
+            jax.jit(lambda x: bf(x) * 2)(b),  # b: only inside jit
+            bf(c) + c.astype(jnp.float16).astype(jnp.bfloat16),  # c: two dtypes
+            bf(d) + jnp.sum(d).astype(jnp.bfloat16),  # d: also read in float32
+            e,  # e: an output
+            g * 2,  # g: read in float32 only
+        )
+
+    closed = jax.make_jaxpr(f)(*[_V] * 6)
+    assert _facts.narrowed_inputs(closed) == (_BF16, _BF16, None, None, None, None)
+
+
+def test_narrowed_inputs_ignores_unused_and_non_float_inputs():
+    closed = jax.make_jaxpr(
+        lambda a, i, w: (i.astype(jnp.int8), w.astype(jnp.float16))
+    )(_V, jnp.ones(3, jnp.int32), _V)
+    assert _facts.narrowed_inputs(closed) == (None, None, _F16)
+
+
+def test_recomputed_inputs_only_inside_a_checkpoint():
+    def f(a, b, c, d):
+        layer = jax.checkpoint(lambda x, y: jnp.tanh(x @ y))
+        return layer(a, b) + jax.jit(layer)(a, c) + c * 2, jnp.zeros(())
+
+    closed = jax.make_jaxpr(f)(*[_V] * 4)
+    # a, b: used inside checkpoints only (also through a jit); c: also outside
+    # one; d: unused.
+    assert _facts.recomputed_inputs(closed) == (True, True, False, False)

@@ -455,3 +455,199 @@ def test_diffrax_neural_ode_gradients(adjoint):
     assert rel_l2(got, ref) < 5e-2
     share = jaxamp.low_precision_flop_share(jax.make_jaxpr(grad_amp)(params, y0))
     assert share >= 0.99
+
+
+# --- scan inputs cast once, before the loop (issue 12: hand-cast speed) ---
+
+L_, D_ = 4, 16
+_rng = np.random.default_rng(7)
+STACK = round_bf16(
+    {
+        "up": jnp.asarray(_rng.normal(0, 0.3, (L_, D_, 2 * D_)), jnp.float32),
+        "down": jnp.asarray(_rng.normal(0, 0.3, (L_, 2 * D_, D_)), jnp.float32),
+        "gain": jnp.asarray(_rng.normal(1, 0.1, (L_, D_)), jnp.float32),
+    }
+)
+# Residual-stream activations in the hundreds, as real training reaches.
+H0 = round_bf16(jnp.asarray(_rng.normal(0, 300, (8, D_)), jnp.float32))
+
+
+def _layer(h, w):
+    return h + jax.nn.gelu(h @ w["up"]) @ w["down"], None
+
+
+def _scanned(checkpoint, up_in_f32=False):
+    def loss(p, h):
+        def layer(h, w):
+            if up_in_f32:  # a matmul weight also read by a float32 reduction
+                h = h + jnp.sum(w["up"]) * 1e-3
+            return _layer(h, w)
+
+        body = jax.checkpoint(layer) if checkpoint else layer
+        h, _ = lax.scan(body, h, p)
+        return jnp.mean(jnp.square(h / 100.0))
+
+    return loss
+
+
+def _scan_eqns(closed):
+    return [e for e in eqns(closed) if e.primitive.name == "scan"]
+
+
+def _xs_dtypes(scan):
+    n_consts, n_carry = _compat.scan_carry_range(scan.params)
+    return [v.aval.dtype for v in scan.invars[n_consts + n_carry :]]
+
+
+def _converts_of_stacks(closed):
+    """f32 -> bf16 converts of arrays shaped like a stacked weight, each counted
+    as often as it runs in one step (scan bodies weighted by their length)."""
+    shapes = {a.shape[1:] for a in jax.tree.leaves(STACK)}
+    shapes |= {a.shape for a in jax.tree.leaves(STACK)}
+    return sum(
+        w
+        for e, w in jaxamp.iter_equations(closed)
+        if e.primitive.name == "convert_element_type"
+        and e.outvars[0].aval.dtype == BF16
+        and e.invars[0].aval.dtype == F32
+        and e.invars[0].aval.shape in shapes
+        and len(e.invars[0].aval.shape) > 1
+    )
+
+
+def test_checkpointed_scan_casts_its_weights_once_before_the_loop():
+    amp_loss = jaxamp.amp(_scanned(checkpoint=True), compute_dtype=BF16)
+    closed = jax.make_jaxpr(amp_loss)(STACK, H0)
+    (scan,) = _scan_eqns(closed)
+    # xs leaves in tree order: down, gain, up. The matmul weights enter the loop
+    # in bfloat16; the gain, unused, is not cast.
+    assert _xs_dtypes(scan) == [BF16, F32, BF16]
+    # One cast per weight per step, outside the loop (the body casts nothing).
+    assert _converts_of_stacks(closed) == 2
+    body_converts = [
+        e
+        for e, _ in jaxamp.iter_equations(scan.params["jaxpr"])
+        if e.primitive.name == "convert_element_type"
+        and e.invars[0]
+        in getattr(scan.params["jaxpr"], "jaxpr", scan.params["jaxpr"]).invars
+    ]
+    assert body_converts == []
+
+
+def test_checkpointed_scan_stacks_weight_gradients_in_the_compute_dtype():
+    amp_loss = jaxamp.amp(_scanned(checkpoint=True), compute_dtype=BF16)
+    closed = jax.make_jaxpr(jax.grad(amp_loss))(STACK, H0)
+    stacked = {(L_, D_, 2 * D_), (L_, 2 * D_, D_)}
+    # The backward loop's stacked weight cotangents (its ys) are bfloat16 ...
+    ys = [
+        v.aval.dtype
+        for s in _scan_eqns(closed)
+        for v in s.outvars[_compat.scan_carry_range(s.params)[1] :]
+        if v.aval.shape in stacked
+    ]
+    assert ys and set(ys) == {BF16}
+    # ... and the gradients leave in the parameters' dtype.
+    grads = jax.grad(amp_loss)(STACK, H0)
+    assert tree_dtypes(grads) == [F32] * 3
+
+
+def test_casting_before_the_loop_keeps_the_numbers():
+    # Inputs rounded to bfloat16: the tolerance measures only the transform.
+    ref = jax.jit(jax.value_and_grad(_scanned(checkpoint=False)))
+    with jax.default_matmul_precision("highest"):
+        ref_loss, ref_grads = ref(STACK, H0)
+    hoisted = jaxamp.amp(_scanned(checkpoint=True), compute_dtype=BF16)
+    in_loop = jaxamp.amp(_scanned(checkpoint=False), compute_dtype=BF16)
+    loss_h, grads_h = jax.jit(jax.value_and_grad(hoisted))(STACK, H0)
+    loss_l, grads_l = jax.jit(jax.value_and_grad(in_loop))(STACK, H0)
+    assert np.isfinite(float(loss_h)) and float(ref_loss) > 1.0
+    # bfloat16 matmuls over activations in the hundreds: within 2e-2 of float32,
+    assert abs(float(loss_h) - float(ref_loss)) < 2e-2 * abs(float(ref_loss))
+    assert rel_l2(grads_h, ref_grads) < 3e-2
+    # and the same bfloat16 computation as with the casts inside the loop.
+    assert abs(float(loss_h) - float(loss_l)) <= 1e-3 * abs(float(loss_l))
+    assert rel_l2(grads_h, grads_l) < 1e-3
+
+
+def test_scan_without_checkpoint_keeps_per_matmul_casts():
+    # No weight copy among the residuals: the backward pass re-casts the
+    # float32 weights (held: the amp'd function's arguments).
+    amp_loss = jaxamp.amp(_scanned(checkpoint=False), compute_dtype=BF16)
+    (scan,) = _scan_eqns(jax.make_jaxpr(amp_loss)(STACK, H0))
+    assert _xs_dtypes(scan) == [F32, F32, F32]
+    hoisted = jaxamp.amp(_scanned(checkpoint=True), compute_dtype=BF16)
+    copies = 2 * sum(a.size for k, a in STACK.items() if k != "gain")
+    # The checkpointed variant saves the bfloat16 weight copy and one carry per
+    # layer; the plain one saves per-layer activations but no weight copy.
+    saved = [
+        a
+        for a, src in _compat.saved_residuals(amp_loss, STACK, H0)
+        if not src.startswith("from the argument")
+    ]
+    assert not any(a.dtype == BF16 and a.shape == STACK["up"].shape for a in saved)
+    assert jaxamp.saved_residual_bytes(hoisted, STACK, H0) >= copies
+
+
+def test_a_weight_also_read_in_float32_stays_in_the_loop():
+    loss = _scanned(checkpoint=True, up_in_f32=True)
+    (scan,) = _scan_eqns(
+        jax.make_jaxpr(jaxamp.amp(loss, compute_dtype=BF16))(STACK, H0)
+    )
+    # "up" is read by a float32 reduction as well as by a matmul: it enters the
+    # loop in float32; "down" is still cast before it.
+    assert _xs_dtypes(scan) == [BF16, F32, F32]
+
+
+def test_a_weight_returned_by_the_body_stays_in_the_loop():
+    def loss(p, h):
+        def layer(h, w):
+            h, _ = _layer(h, w)
+            return h, w["up"]  # the weight is also a ys output
+
+        h, ups = lax.scan(jax.checkpoint(layer), h, p)
+        return jnp.mean(h) + jnp.mean(ups)
+
+    closed = jax.make_jaxpr(jaxamp.amp(loss, compute_dtype=BF16))(STACK, H0)
+    (scan,) = _scan_eqns(closed)
+    assert _xs_dtypes(scan) == [BF16, F32, F32]
+
+
+def test_loop_invariant_weight_is_cast_once_not_once_per_step():
+    # An RNN: the scan closes over a float32 weight matrix (a const of the loop).
+    w = round_bf16(jnp.asarray(_rng.normal(0, 0.2, (D_, D_)), jnp.float32))
+    xs = round_bf16(jnp.asarray(_rng.normal(0, 1, (12, 8, D_)), jnp.float32))
+
+    def loss(w, xs):
+        def step(h, x):
+            h = jnp.tanh(h @ w + x)
+            return h, h
+
+        _, hs = lax.scan(step, jnp.zeros((8, D_), jnp.float32), xs)
+        return jnp.mean(jnp.square(hs))
+
+    amp_loss = jaxamp.amp(loss, compute_dtype=BF16)
+    closed = jax.make_jaxpr(amp_loss)(w, xs)
+    (scan,) = _scan_eqns(closed)
+    n_consts, _ = _compat.scan_carry_range(scan.params)
+    assert [v.aval.dtype for v in scan.invars[:n_consts]] == [BF16]
+    casts = sum(
+        wt
+        for e, wt in jaxamp.iter_equations(jax.make_jaxpr(jax.grad(amp_loss))(w, xs))
+        if e.primitive.name == "convert_element_type"
+        and e.invars[0].aval.shape == (D_, D_)
+        and e.outvars[0].aval.dtype == BF16
+    )
+    assert casts == 1  # was 12 forward + 12 backward re-casts
+    with jax.default_matmul_precision("highest"):
+        ref = jax.grad(loss)(w, xs)
+    got = jax.grad(amp_loss)(w, xs)
+    assert got.dtype == F32
+    assert rel_l2(got, ref) < 3e-2
+
+
+def test_float16_casts_with_the_overflow_check_stay_in_the_loop():
+    # The float16 cast carries its overflow check (a finite test of the float32
+    # weight): the body reads the weight in float32 too, so it is not hoisted.
+    amp_loss = jaxamp.amp(_scanned(checkpoint=True), compute_dtype=jnp.float16)
+    (scan,) = _scan_eqns(jax.make_jaxpr(amp_loss)(STACK, H0))
+    assert _xs_dtypes(scan) == [F32, F32, F32]
