@@ -236,12 +236,11 @@ def _scan(eqn: Any, invals: list, ctx: AmpContext) -> Any:
     # before the loop, and the body is rewritten for them (see _loop_casts).
     casts = _loop_casts(eqn, body, n_consts, n_carry)
     if any(d is not None for d in casts):
-        in_dtypes = tuple(c if c is not None else d for c, d in zip(casts, in_dtypes))
-        held = tuple(h and c is None for h, c in zip(held, casts))
-        body = rewrite_jaxpr(params["jaxpr"], ctx, in_dtypes, out_dtypes, held)
-        if body is None:
-            return run_unchanged(eqn, invals, ctx)
-        invals = [x if c is None else cast(x, c) for x, c in zip(invals, casts)]
+        body = _without_casts(body, casts)
+        if body is None:  # an open body would need consts: keep the casts inside
+            body = rewrite_jaxpr(params["jaxpr"], ctx, in_dtypes, out_dtypes, held)
+        else:
+            invals = [x if c is None else cast(x, c) for x, c in zip(invals, casts)]
     params["jaxpr"] = body
     invals[n_consts : n_consts + n_carry] = carry
     bparams = _compat.bind_params(eqn.primitive, params)
@@ -276,6 +275,55 @@ def _loop_casts(eqn: Any, body: Any, n_consts: int, n_carry: int) -> tuple:
         d if i < n_consts or (i >= n_consts + n_carry and recomputed[i]) else None
         for i, d in enumerate(narrowed)
     )
+
+
+def _without_casts(jaxpr: Any, dtypes: tuple) -> Any:
+    """``jaxpr`` taking each input whose ``dtypes`` entry is not None in that
+    dtype, with the ``convert_element_type`` equations of those inputs to it
+    removed, in call-like bodies too (:func:`jaxamp._facts.narrowed_inputs`
+    found that they are their only uses). Every other equation is replayed as
+    it is, so the body computes exactly what it computed with the casts
+    inside. Returns a jaxpr of the same kind, or None where an open jaxpr
+    would need constants."""
+    core, consts = _compat.jaxpr_parts(jaxpr)
+    in_avals = _with_dtypes([v.aval for v in core.invars], dtypes)
+    narrowed = {v for v, d in zip(core.invars, dtypes) if d is not None}
+
+    def replay(*args):
+        env = dict(zip(core.constvars, consts))
+        env.update(zip(core.invars, args))
+        read = lambda v: v.val if isinstance(v, _compat.Literal) else env[v]
+        for eqn in core.eqns:
+            invals = [read(v) for v in eqn.invars]
+            hit = [
+                not isinstance(v, _compat.Literal) and v in narrowed for v in eqn.invars
+            ]
+            if eqn.primitive.name == "convert_element_type" and hit[0]:
+                outs = invals  # already in the dtype it converted to
+            else:
+                params = dict(eqn.params)
+                if any(hit):  # a call-like body: the casts are inside it
+                    (name,) = [k for k, v in params.items() if _compat.is_jaxpr(v)]
+                    sub = tuple(x.dtype if h else None for x, h in zip(invals, hit))
+                    params[name] = _without_casts(params[name], sub)
+                    if params[name] is None:
+                        raise _NeedsConsts
+                with _compat.eqn_context(eqn):
+                    bparams = _compat.bind_params(eqn.primitive, params)
+                    outs = _compat.bind(eqn.primitive, invals, bparams)
+                if not eqn.primitive.multiple_results:
+                    outs = [outs]
+            env.update(zip(eqn.outvars, outs))
+        return [read(v) for v in core.outvars]
+
+    try:
+        return _compat.like(jaxpr, _compat.trace_to_closed_jaxpr(replay, in_avals))
+    except _NeedsConsts:
+        return None
+
+
+class _NeedsConsts(Exception):
+    """An open sub-jaxpr would need constants after removing its casts."""
 
 
 @register_higher_order("shard_map")
