@@ -22,7 +22,9 @@ code, so their attention is the XLA path on bfloat16).
 Columns: step time (median of ``--rounds`` interleaved rounds of ``--steps``
 steps), tokens/s, MFU against 989 TFLOP/s (model FLOPs: 6 x matmul parameters x
 tokens plus 12 x B x T^2 x d per layer for attention, no recompute), XLA's
-temp bytes (``compiled.memory_analysis().temp_size_in_bytes``), gradient
+temp bytes (``compiled.memory_analysis().temp_size_in_bytes``), the bytes of
+the residuals saved for the backward pass (``jaxamp.saved_residual_bytes``,
+hardware independent; the arguments excluded), gradient
 relative L2 error and loss difference against float32 computed at
 ``precision="highest"``, and the kernels the compiled HLO calls: custom-call
 sites of cuDNN fused attention (``__cudnn$fmha...``, forward / backward) and of
@@ -206,6 +208,7 @@ def measure(
             "variant": name,
             "compile_s": compile_s,
             "temp_mib": getattr(mem, "temp_size_in_bytes", 0) / 2**20,
+            "residual_mib": jaxamp.saved_residual_bytes(loss, params, x, y) / 2**20,
             "grad_rel_l2": _rel_l2(grads, ref_grads),
             "loss_diff": abs(float(value) - float(ref_loss)),
             **kernels(compiled.as_text()),
@@ -253,6 +256,7 @@ COLUMNS = [
     ("tokens/s", "tokens_per_s", "{:,.0f}"),
     ("MFU", "mfu", "{:.1%}"),
     ("temp MiB", "temp_mib", "{:.0f}"),
+    ("residual MiB", "residual_mib", "{:.0f}"),
     ("grad rel. L2 vs fp32", "grad_rel_l2", "{:.1e}"),
     ("loss diff", "loss_diff", "{:.1e}"),
     ("cuDNN fmha fwd/bwd", None, None),
