@@ -233,7 +233,7 @@ def _scan(eqn: Any, invals: list, ctx: AmpContext) -> Any:
     if body is None:
         return run_unchanged(eqn, invals, ctx)
     # Inputs the rewritten body only reads in a narrower dtype are cast once,
-    # before the loop, and the body is rewritten for them (see _loop_casts).
+    # before the loop, and their casts leave the body (see _loop_casts).
     casts = _loop_casts(eqn, body, n_consts, n_carry)
     if any(d is not None for d in casts):
         body = _without_casts(body, casts)
