@@ -522,16 +522,9 @@ def test_checkpointed_scan_casts_its_weights_once_before_the_loop():
     # xs leaves in tree order: down, gain, up. The matmul weights enter the loop
     # in bfloat16; the gain, unused, is not cast.
     assert _xs_dtypes(scan) == [BF16, F32, BF16]
-    # One cast per weight per step, outside the loop (the body casts nothing).
+    # One cast per weight per step, outside the loop: casts of a layer's weight
+    # slice inside the body would count once per layer (8 with the casts inside).
     assert _converts_of_stacks(closed) == 2
-    body_converts = [
-        e
-        for e, _ in jaxamp.iter_equations(scan.params["jaxpr"])
-        if e.primitive.name == "convert_element_type"
-        and e.invars[0]
-        in getattr(scan.params["jaxpr"], "jaxpr", scan.params["jaxpr"]).invars
-    ]
-    assert body_converts == []
 
 
 def test_checkpointed_scan_stacks_weight_gradients_in_the_compute_dtype():
