@@ -29,6 +29,7 @@ import jax
 from . import _compat, _facts
 from ._dtypes import dtype_of
 from ._interpreter import (
+    RECAST_SCOPE,
     AmpContext,
     check_rule_result,
     eval_jaxpr,
@@ -288,38 +289,61 @@ def _without_casts(jaxpr: Any, dtypes: tuple) -> Any:
     core, consts = _compat.jaxpr_parts(jaxpr)
     in_avals = _with_dtypes([v.aval for v in core.invars], dtypes)
     narrowed = {v for v, d in zip(core.invars, dtypes) if d is not None}
+    try:
+        new = _compat.trace_to_closed_jaxpr(
+            lambda *args: _replay(core, consts, args, narrowed), in_avals
+        )
+    except _NeedsConsts:
+        return None
+    return _compat.like(jaxpr, new)
 
-    def replay(*args):
-        env = dict(zip(core.constvars, consts))
-        env.update(zip(core.invars, args))
-        read = lambda v: v.val if isinstance(v, _compat.Literal) else env[v]
-        for eqn in core.eqns:
-            invals = [read(v) for v in eqn.invars]
-            hit = [
-                not isinstance(v, _compat.Literal) and v in narrowed for v in eqn.invars
-            ]
-            if eqn.primitive.name == "convert_element_type" and hit[0]:
-                outs = invals  # already in the dtype it converted to
-            else:
-                params = dict(eqn.params)
-                if any(hit):  # a call-like body: the casts are inside it
-                    (name,) = [k for k, v in params.items() if _compat.is_jaxpr(v)]
-                    sub = tuple(x.dtype if h else None for x, h in zip(invals, hit))
-                    params[name] = _without_casts(params[name], sub)
+
+def _replay(core: Any, consts: list, args: Any, narrowed: set) -> list:
+    """Bind ``core``'s equations on ``args``, skipping the casts of the
+    ``narrowed`` inputs (see :func:`_without_casts`). A checkpoint amp added to
+    re-cast held inputs (:data:`RECAST_SCOPE`) whose casts all moved is
+    inlined: it has nothing left to re-cast."""
+    env = dict(zip(core.constvars, consts))
+    env.update(zip(core.invars, args))
+    read = lambda v: v.val if isinstance(v, _compat.Literal) else env[v]
+    for eqn in core.eqns:
+        invals = [read(v) for v in eqn.invars]
+        hit = [not isinstance(v, _compat.Literal) and v in narrowed for v in eqn.invars]
+        if eqn.primitive.name == "convert_element_type" and hit[0]:
+            outs = invals  # already in the dtype it converted to
+        else:
+            params = dict(eqn.params)
+            outs = None
+            if any(hit):  # a call-like body: the casts are inside it
+                (name,) = [k for k, v in params.items() if _compat.is_jaxpr(v)]
+                sub_core, sub_consts = _compat.jaxpr_parts(params[name])
+                sub = {v for v, h in zip(sub_core.invars, hit) if h}
+                if _only_recasts(eqn, sub_core, sub):
+                    outs = _replay(sub_core, sub_consts, invals, sub)
+                else:
+                    dtypes = tuple(x.dtype if h else None for x, h in zip(invals, hit))
+                    params[name] = _without_casts(params[name], dtypes)
                     if params[name] is None:
                         raise _NeedsConsts
+            if outs is None:
                 with _compat.eqn_context(eqn):
                     bparams = _compat.bind_params(eqn.primitive, params)
                     outs = _compat.bind(eqn.primitive, invals, bparams)
                 if not eqn.primitive.multiple_results:
                     outs = [outs]
-            env.update(zip(eqn.outvars, outs))
-        return [read(v) for v in core.outvars]
+        env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in core.outvars]
 
-    try:
-        return _compat.like(jaxpr, _compat.trace_to_closed_jaxpr(replay, in_avals))
-    except _NeedsConsts:
-        return None
+
+def _only_recasts(eqn: Any, sub_core: Any, moved: set) -> bool:
+    """``eqn`` is a re-casting checkpoint of amp's (not a user's) and every
+    input it re-casts is among the ``moved`` ones."""
+    if eqn.primitive.name not in ("remat2", "checkpoint"):
+        return False
+    if RECAST_SCOPE not in _compat.scope_names(eqn):
+        return False
+    recast = _facts.narrowed_inputs(sub_core)
+    return all(v in moved for v, d in zip(sub_core.invars, recast) if d is not None)
 
 
 class _NeedsConsts(Exception):

@@ -41,6 +41,12 @@ _RECOMPUTED: contextvars.ContextVar[bool] = contextvars.ContextVar(
 )
 
 
+# Scope of the checkpoints amp adds around an equation to re-cast its inputs in
+# the backward pass (_recomputing_casts): the scan rule inlines one whose casts
+# it moved before the loop.
+RECAST_SCOPE = "jaxamp_recast"
+
+
 def recomputed() -> bool:
     """Whether the walk is inside a user's ``jax.checkpoint`` body."""
     return _RECOMPUTED.get()
@@ -306,7 +312,8 @@ def _recomputing_casts(apply: Callable, invals: Sequence[Any]) -> Any:
         with cast_cache():  # casts traced here must not leak to the outer walk
             return apply(*vals)
 
-    return jax.checkpoint(run)(*(invals[i] for i in idx))
+    with jax.named_scope(RECAST_SCOPE):
+        return jax.checkpoint(run)(*(invals[i] for i in idx))
 
 
 def check_rule_result(result, prim, rule: Callable, n: int):

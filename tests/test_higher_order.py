@@ -631,6 +631,9 @@ def test_loop_invariant_weight_is_cast_once_not_once_per_step():
         and e.outvars[0].aval.dtype == BF16
     )
     assert casts == 1  # was 12 forward + 12 backward re-casts
+    # amp's re-casting checkpoint around the matmul had nothing left to re-cast:
+    # it is gone from the body (no optimization barrier in the loop).
+    assert [e for e in eqns(scan.params["jaxpr"]) if e.primitive.name == "remat2"] == []
     with jax.default_matmul_precision("highest"):
         ref = jax.grad(loss)(w, xs)
     got = jax.grad(amp_loss)(w, xs)
@@ -644,3 +647,30 @@ def test_float16_casts_with_the_overflow_check_stay_in_the_loop():
     amp_loss = jaxamp.amp(_scanned(checkpoint=True), compute_dtype=jnp.float16)
     (scan,) = _scan_eqns(jax.make_jaxpr(amp_loss)(STACK, H0))
     assert _xs_dtypes(scan) == [F32, F32, F32]
+
+
+def test_recasting_checkpoint_stays_while_it_still_recasts_an_input():
+    # x_t (a slice of the held float32 batch, in a scan without checkpoint) and
+    # the const w meet in one matmul: w moves before the loop, x_t is still
+    # re-cast in the backward pass by amp's checkpoint, which therefore stays.
+    w = round_bf16(jnp.asarray(_rng.normal(0, 0.2, (D_, D_)), jnp.float32))
+    xs = round_bf16(jnp.asarray(_rng.normal(0, 1, (6, 8, D_)), jnp.float32))
+
+    def loss(w, xs):
+        def step(c, x):
+            y = jnp.tanh(x @ w)
+            return c + jnp.sum(y), None
+
+        return lax.scan(step, jnp.zeros((), jnp.float32), xs)[0]
+
+    amp_loss = jaxamp.amp(loss, compute_dtype=BF16)
+    (scan,) = _scan_eqns(jax.make_jaxpr(amp_loss)(w, xs))
+    n_consts, n_carry = _compat.scan_carry_range(scan.params)
+    assert [v.aval.dtype for v in scan.invars[:n_consts]] == [BF16]
+    assert _xs_dtypes(scan) == [F32]
+    remats = [e for e in eqns(scan.params["jaxpr"]) if e.primitive.name == "remat2"]
+    assert len(remats) == 1
+    assert [v.aval.dtype for v in remats[0].invars] == [F32, BF16]
+    with jax.default_matmul_precision("highest"):
+        ref = jax.grad(loss)(w, xs)
+    assert rel_l2(jax.grad(amp_loss)(w, xs), ref) < 3e-2
