@@ -8,7 +8,9 @@ layer called N times is rewritten once.
 
 * ``jit``/``pjit``/``closed_call``/``remat2``: dtypes flow through, as if the
   body were inlined (see :func:`_call`).
-* ``scan``: the policy's ``"scan"`` rule chooses the carry dtype.
+* ``scan``: the policy's ``"scan"`` rule chooses the carry dtype; inputs that
+  the rewritten body only reads in a narrower dtype are cast before the loop
+  (see :func:`_loop_casts`).
 * ``while``, ``cond``, ``shard_map``: identical input and output avals.
 * ``custom_jvp_call`` / ``custom_vjp_call``: the primal is rewritten *and* the
   user's jvp / fwd / bwd rules are wrapped so that they still run under
@@ -205,7 +207,9 @@ def _scan(eqn: Any, invals: list, ctx: AmpContext) -> Any:
 
     By default (see ``_rules.py``) float carries are narrowed to bfloat16 when
     that is the compute dtype, which removes the float32 residual stream of a
-    scanned transformer, and keep their traced dtype otherwise.
+    scanned transformer, and keep their traced dtype otherwise. Consts and the
+    stacked weights of checkpointed layers that the body only reads in the
+    compute dtype are cast once, before the loop (:func:`_loop_casts`).
     """
     n_consts, n_carry = _compat.scan_carry_range(eqn.params)
     invals = _restore_inputs(eqn, invals)
