@@ -275,6 +275,8 @@ def _loop_casts(eqn: Any, body: Any, n_consts: int, n_carry: int) -> tuple:
     among the residuals. Carries are the ``"scan"`` rule's.
     """
     narrowed = _facts.narrowed_inputs(body)
+    if all(d is None for d in narrowed):
+        return narrowed
     recomputed = _facts.recomputed_inputs(eqn.params["jaxpr"])
     return tuple(
         d if i < n_consts or (i >= n_consts + n_carry and recomputed[i]) else None

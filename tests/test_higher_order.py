@@ -605,10 +605,16 @@ def test_a_weight_returned_by_the_body_stays_in_the_loop():
     assert _xs_dtypes(scan) == [BF16, F32, F32]
 
 
+def _rnn_inputs(steps):
+    """A float32 weight matrix and a float32 input sequence, bfloat16-exact."""
+    w = round_bf16(jnp.asarray(_rng.normal(0, 0.2, (D_, D_)), jnp.float32))
+    xs = round_bf16(jnp.asarray(_rng.normal(0, 1, (steps, 8, D_)), jnp.float32))
+    return w, xs
+
+
 def test_loop_invariant_weight_is_cast_once_not_once_per_step():
     # An RNN: the scan closes over a float32 weight matrix (a const of the loop).
-    w = round_bf16(jnp.asarray(_rng.normal(0, 0.2, (D_, D_)), jnp.float32))
-    xs = round_bf16(jnp.asarray(_rng.normal(0, 1, (12, 8, D_)), jnp.float32))
+    w, xs = _rnn_inputs(steps=12)
 
     def loss(w, xs):
         def step(h, x):
@@ -653,8 +659,7 @@ def test_recasting_checkpoint_stays_while_it_still_recasts_an_input():
     # x_t (a slice of the held float32 batch, in a scan without checkpoint) and
     # the const w meet in one matmul: w moves before the loop, x_t is still
     # re-cast in the backward pass by amp's checkpoint, which therefore stays.
-    w = round_bf16(jnp.asarray(_rng.normal(0, 0.2, (D_, D_)), jnp.float32))
-    xs = round_bf16(jnp.asarray(_rng.normal(0, 1, (6, 8, D_)), jnp.float32))
+    w, xs = _rnn_inputs(steps=6)
 
     def loss(w, xs):
         def step(c, x):
