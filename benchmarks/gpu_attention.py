@@ -8,11 +8,14 @@ attention through ``jax.nn.dot_product_attention``, LayerNorm, GELU MLP, tied
 embedding, cross-entropy; ``value_and_grad`` plus an SGD update with the
 parameters donated. Models (d_model, layers, seq, batch, heads, vocab):
 ``gpt1024`` (1024, 12, 1024, 8, 16, 8192) and ``gpt2048`` (2048, 8, 512, 16,
-16, 8192); ``tiny`` for the CPU smoke run.
+16, 8192); ``tiny`` for the CPU smoke run; ``cpu`` (256, 4, 128, 8, 4, 512) for
+ratios measured side by side on a CPU.
 
 Variants: ``fp32``; ``jaxamp bf16`` / ``jaxamp fp16`` over the float32 model
 (``implementation=None``: amp re-dispatches the attention; fp16 with dynamic
-loss scaling, :class:`LossScaled`); ``jaxamp bf16,
+loss scaling, :class:`LossScaled`); ``jaxamp fp16, overflow check off`` (a
+diagnostic: the cost of fp16's forward overflow check, not a safe way to
+train); ``jaxamp bf16,
 model asks cudnn`` (the model says ``implementation="cudnn"``); ``jaxamp bf16,
 attention off`` (``attention_rule("off")``: the attention as before issue 12);
 ``hand bf16 xla`` / ``hand bf16 cudnn`` (parameters cast to bfloat16 at the top
@@ -43,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shlex
 import statistics
 import sys
 import time
@@ -60,6 +64,7 @@ import jaxamp  # noqa: E402
 
 SIZES = {  # d_model, layers, seq, batch, heads, vocab
     "tiny": (64, 2, 32, 2, 4, 128),
+    "cpu": (256, 4, 128, 8, 4, 512),  # CPU side-by-side ratios, not GPU speed
     "gpt1024": (1024, 12, 1024, 8, 16, 8192),
     "gpt2048": (2048, 8, 512, 16, 16, 8192),
 }
@@ -119,6 +124,10 @@ def variants(size: str) -> dict[str, Callable | str]:
         "fp32": base,
         "jaxamp bf16": jaxamp.amp(base, compute_dtype=BF16),
         "jaxamp fp16": LossScaled(jaxamp.amp(base, compute_dtype=F16)),
+        # Diagnostic: what the forward overflow check costs (unsafe to train with).
+        "jaxamp fp16, overflow check off": LossScaled(
+            jaxamp.amp(base, compute_dtype=F16, overflow_check=False)
+        ),
         "jaxamp bf16, model asks cudnn": jaxamp.amp(
             make_loss(size, "cudnn", hand=False), compute_dtype=BF16
         ),
@@ -322,6 +331,32 @@ def markdown(results: dict[str, list[dict]], meta: dict) -> str:
     return "\n".join(lines)
 
 
+def pick_variants(spec: str, names: list[str]) -> list[str] | None:
+    """The variants a ``--variants`` string names, in its order; None for all.
+
+    Names may contain commas ("jaxamp bf16, attention off"): the string is split
+    at commas and, from each position, the longest run of pieces that spells a
+    name is taken.
+
+    Raises:
+        SystemExit: if some piece names no variant (the message lists them).
+    """
+    pieces = spec.split(",") if spec.strip() else []
+    picked, i = [], 0
+    while i < len(pieces):
+        for j in range(len(pieces), i, -1):
+            if ",".join(pieces[i:j]).strip() in names:
+                picked.append(",".join(pieces[i:j]).strip())
+                i = j
+                break
+        else:
+            raise SystemExit(
+                f"--variants: no variant named {pieces[i].strip()!r}; choose from "
+                + "; ".join(names)
+            )
+    return picked or None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size", default="gpt1024,gpt2048", help="comma-separated")
@@ -334,12 +369,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         args.steps, args.rounds = 1, 1
     sizes = [s for s in args.size.split(",") if s]
-    only = [v for v in args.variants.split(",") if v] or None
+    only = pick_variants(args.variants, list(variants("tiny")))
     results = {s: measure(s, args.steps, args.rounds, only) for s in sizes}
     dev = jax.devices()[0]
     meta = {
         "command": "python benchmarks/gpu_attention.py "
-        + " ".join(argv if argv is not None else sys.argv[1:]),
+        + shlex.join(argv if argv is not None else sys.argv[1:]),
         "device": getattr(dev, "device_kind", dev.platform),
         "jax": jax.__version__,
         "note": "dry run: timings are not measurements"

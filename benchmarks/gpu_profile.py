@@ -65,10 +65,16 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     params, x, y = ga.init(args.size)
     table = {}
-    for name, loss in ga.variants(args.size).items():
-        if name not in args.variants.split(","):
+    found = ga.variants(args.size)
+    for name in ga.pick_variants(args.variants, list(found)) or list(found):
+        loss = found[name]
+        if isinstance(loss, str):
+            print(f"{name}: {loss}")
             continue
-        vg = jax.value_and_grad(loss)
+        if isinstance(loss, ga.LossScaled):  # fp16: the loss-scaled gradient
+            vg = loss.value_and_grad()
+        else:
+            vg = jax.value_and_grad(loss)
 
         def step(p, x, y, vg=vg):
             value, g = vg(p, x, y)

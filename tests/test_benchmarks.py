@@ -88,6 +88,25 @@ def test_gpu_attention_benchmark_dry_run(tmp_path):
         assert "unavailable" in rows["hand bf16 cudnn"]["missing"]
 
 
+def test_gpu_attention_variant_names_may_hold_commas():
+    """--variants of gpu_attention.py / gpu_profile.py: names with commas are
+    picked whole (the longest name wins), and a name that matches no variant
+    stops the run instead of silently measuring fp32 alone."""
+    import gpu_attention
+
+    names = list(gpu_attention.variants("tiny"))
+    assert "jaxamp fp16, overflow check off" in names
+    spec = "jaxamp fp16,jaxamp fp16, overflow check off,jaxamp bf16, attention off"
+    assert gpu_attention.pick_variants(spec, names) == [
+        "jaxamp fp16",
+        "jaxamp fp16, overflow check off",
+        "jaxamp bf16, attention off",
+    ]
+    assert gpu_attention.pick_variants("", names) is None
+    with pytest.raises(SystemExit, match="--variants: no variant named 'jaxamp fp17'"):
+        gpu_attention.pick_variants("jaxamp bf16,jaxamp fp17", names)
+
+
 def test_gpu_attention_kernel_census():
     import gpu_attention
 
