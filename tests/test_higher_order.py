@@ -685,26 +685,25 @@ def _layer_h(h, w):
     return _layer(h, w)[0]
 
 
+def _stack_scan(body, h, p, **kw):
+    return lax.scan(body, h, p, **kw)[0]
+
+
+def _micro_steps(h, w):  # a scan inside the checkpointed layer
+    return lax.scan(lambda c, _: (_layer_h(c, w) / 4, None), h, None, 2)[0], None
+
+
 SCAN_FORMS = {
-    "reverse": lambda p, h: lax.scan(jax.checkpoint(_layer), h, p, reverse=True)[0],
-    "unroll": lambda p, h: lax.scan(jax.checkpoint(_layer), h, p, unroll=2)[0],
-    "dots saveable": lambda p, h: lax.scan(
+    "reverse": lambda p, h: _stack_scan(jax.checkpoint(_layer), h, p, reverse=True),
+    "unroll": lambda p, h: _stack_scan(jax.checkpoint(_layer), h, p, unroll=2),
+    "dots saveable": lambda p, h: _stack_scan(
         jax.checkpoint(_layer, policy=jax.checkpoint_policies.dots_saveable), h, p
-    )[0],
-    "jit in checkpoint": lambda p, h: lax.scan(
+    ),
+    "jit in checkpoint": lambda p, h: _stack_scan(
         jax.checkpoint(jax.jit(_layer)), h, p
-    )[0],
+    ),
     "lax.map": lambda p, h: lax.map(jax.checkpoint(lambda w: _layer_h(h, w)), p),
-    "nested scan": lambda p, h: lax.scan(
-        jax.checkpoint(
-            lambda h, w: (
-                lax.scan(lambda c, _: (_layer_h(c, w) / 4, None), h, None, 2)[0],
-                None,
-            )
-        ),
-        h,
-        p,
-    )[0],
+    "nested scan": lambda p, h: _stack_scan(jax.checkpoint(_micro_steps), h, p),
 }
 
 
