@@ -59,6 +59,7 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import run as _run  # noqa: E402  (benchmarks/run.py: the same GPT on CPU)
+from run import LossScaled  # noqa: E402
 
 import jaxamp  # noqa: E402
 
@@ -161,25 +162,6 @@ def variants(size: str) -> dict[str, Callable | str]:
     return out
 
 
-class LossScaled:
-    """A float16 variant trained as float16 must be: gradients through
-    ``jaxamp.dynamic_scale_value_and_grad`` at the initial loss scale (2**15),
-    unscaled in float32 (the timed step includes the scaler's finite checks)."""
-
-    def __init__(self, loss: Callable):
-        self.loss = loss
-
-    def value_and_grad(self) -> Callable:
-        vg = jaxamp.dynamic_scale_value_and_grad(self.loss, filter=False)
-        state = jaxamp.DynamicScalerState()
-
-        def value_and_grad(p, x, y):
-            _, (value, grads) = vg(p, x, y, dynamic_scaler_state=state)
-            return value, grads
-
-        return value_and_grad
-
-
 def kernels(hlo: str) -> dict[str, int]:
     """Custom-call sites in compiled HLO text: cuDNN attention fwd/bwd, cuBLAS."""
     targets = re.findall(r'custom_call_target="([^"]+)"', hlo)
@@ -216,10 +198,7 @@ def measure(
         if isinstance(loss, str):
             rows[name] = {"variant": name, "missing": loss}
             continue
-        if isinstance(loss, LossScaled):
-            vg, loss = loss.value_and_grad(), loss.loss
-        else:
-            vg = jax.value_and_grad(loss)
+        vg, loss = _run.value_and_grad(loss), _run.plain_loss(loss)
 
         def step(p, x, y, vg=vg):
             value, g = vg(p, x, y)

@@ -71,10 +71,7 @@ def main(argv=None) -> int:
         if isinstance(loss, str):
             print(f"{name}: {loss}")
             continue
-        if isinstance(loss, ga.LossScaled):  # fp16: the loss-scaled gradient
-            vg = loss.value_and_grad()
-        else:
-            vg = jax.value_and_grad(loss)
+        vg = ga._run.value_and_grad(loss)  # fp16: the loss-scaled gradient
 
         def step(p, x, y, vg=vg):
             value, g = vg(p, x, y)

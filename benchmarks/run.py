@@ -9,7 +9,8 @@ and batch (pre-rounded to bfloat16 so that every variant sees exactly
 representable inputs):
 
 * ``fp32``: no mixed precision;
-* ``jaxamp bf16`` / ``jaxamp fp16``: ``jaxamp.amp`` with the default policy;
+* ``jaxamp bf16`` / ``jaxamp fp16``: ``jaxamp.amp`` with the default policy
+  (fp16 trained with dynamic loss scaling, :class:`LossScaled`);
 * ``mpx``: ``mpx.cast_to_half_precision`` (bfloat16) on parameters and inputs;
 * ``jmp``: ``jmp.get_policy("p=f32,c=bf16,o=f32")``, cast to compute;
 * ``hand bf16``: parameters cast to bfloat16 at the top of the loss, float32
@@ -51,6 +52,39 @@ SIZES = {  # d_model, layers, seq, batch, heads, vocab
 }
 H100_BF16_PEAK = 989e12  # dense bf16 FLOP/s, NVIDIA H100 SXM datasheet
 BF16 = jnp.bfloat16
+
+
+class LossScaled:
+    """A float16 variant trained as float16 must be: gradients through
+    ``jaxamp.dynamic_scale_value_and_grad`` at the initial loss scale (2**15),
+    unscaled in float32 (the timed step includes the scaler's finite checks).
+    Without it float16 gradients of this size underflow, and their error
+    measures the missing loss scaling, not the transform."""
+
+    def __init__(self, loss: Callable):
+        self.loss = loss
+
+    def value_and_grad(self) -> Callable:
+        vg = jaxamp.dynamic_scale_value_and_grad(self.loss, filter=False)
+        state = jaxamp.DynamicScalerState()
+
+        def value_and_grad(p, x, y):
+            _, (value, grads) = vg(p, x, y, dynamic_scaler_state=state)
+            return value, grads
+
+        return value_and_grad
+
+
+def value_and_grad(variant: Callable | LossScaled) -> Callable:
+    """The ``(params, x, y) -> (loss, grads)`` a variant is trained with."""
+    if isinstance(variant, LossScaled):
+        return variant.value_and_grad()
+    return jax.value_and_grad(variant)
+
+
+def plain_loss(variant: Callable | LossScaled) -> Callable:
+    """The variant's loss function, without loss scaling."""
+    return variant.loss if isinstance(variant, LossScaled) else variant
 
 
 def init(size: str, seed: int = 0, sizes: dict | None = None):
@@ -130,7 +164,7 @@ def variants(size: str) -> dict[str, Callable | str]:
     out: dict[str, Callable | str] = {
         "fp32": base,
         "jaxamp bf16": jaxamp.amp(base, compute_dtype=BF16),
-        "jaxamp fp16": jaxamp.amp(base, compute_dtype=jnp.float16),
+        "jaxamp fp16": LossScaled(jaxamp.amp(base, compute_dtype=jnp.float16)),
     }
     try:
         import mpx
@@ -180,7 +214,7 @@ def _trace_times(fns: dict[str, Callable], args: tuple, repeats: int) -> dict:
             gc.disable()
             try:
                 t0 = time.perf_counter()
-                jax.make_jaxpr(jax.value_and_grad(f))(*args)
+                jax.make_jaxpr(value_and_grad(f))(*args)
                 times[name].append(time.perf_counter() - t0)
             finally:
                 gc.enable()
@@ -210,7 +244,8 @@ def measure(size: str, steps: int, trace_repeats: int, device: str) -> list[dict
         if isinstance(loss, str):
             rows.append({"variant": name, "missing": loss})
             continue
-        vg = jax.value_and_grad(loss)
+        vg = value_and_grad(loss)
+        loss = plain_loss(loss)
         trace_s = traces[name]
         closed = jax.make_jaxpr(jax.grad(loss))(params, x, y)
 

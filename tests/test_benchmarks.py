@@ -55,6 +55,10 @@ def test_benchmark_tables_and_json(tmp_path, capsys):
         assert 0 < rows[name]["residual_ratio"] < 1
         assert rows[name]["grad_rel_l2"] < 0.1
     assert rows["jaxamp bf16"]["low_precision_flop_share"] == 1.0
+    # fp16, loss-scaled as it is trained, shows its 3 more mantissa bits than
+    # bfloat16 (at size S, unscaled, its gradients underflowed: 1.7e-2).
+    fp16, bf16 = rows["jaxamp fp16"], rows["jaxamp bf16"]
+    assert fp16["grad_rel_l2"] < bf16["grad_rel_l2"] / 2, (fp16, bf16)
     assert [s["layers"] for s in data["scaling"]] == [2, 4]
     assert (
         data["scaling"][1]["forward_equations"]
