@@ -10,6 +10,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import _attention, _compat, _nnx, _overflow
 from ._dtypes import canonical_dtype
@@ -76,7 +77,8 @@ def amp(
         structure and dtypes that ``fn`` returns.
 
     Raises:
-        TypeError: if ``fn`` is not callable, or a policy key/value is invalid.
+        TypeError: if ``fn`` is not callable, a policy key/value is invalid,
+            or ``overflow_check`` is not True, False or None.
         ValueError: if ``compute_dtype`` is not a floating dtype.
 
     Example:
@@ -99,6 +101,12 @@ def amp(
         raise TypeError(
             f"amp(fn): fn must be callable, got {type(fn).__name__}. Use "
             "jaxamp.amp(loss_fn) or @jaxamp.amp."
+        )
+    if overflow_check is not None and not isinstance(overflow_check, (bool, np.bool_)):
+        raise TypeError(
+            f"amp(overflow_check=...): must be True, False or None (the default: "
+            f"on where compute_dtype's range is below float32's, e.g. float16), "
+            f"got {overflow_check!r}."
         )
     ctx = AmpContext(compute_dtype, policy)
     if overflow_check is None:

@@ -274,7 +274,15 @@ def saved_residual_bytes(fn: Callable, *args: Any, **kwargs: Any) -> int:
 
     Returns:
         The total bytes of the saved residuals, an int.
+
+    Raises:
+        TypeError: if ``fn`` is not callable.
     """
+    if not callable(fn):
+        raise TypeError(
+            f"saved_residual_bytes(fn, *args): fn must be callable (the loss), "
+            f"got {type(fn).__name__}."
+        )
     total = 0
     for aval, source in _compat.saved_residuals(fn, *args, **kwargs):
         if source.startswith("from the argument"):

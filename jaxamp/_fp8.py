@@ -87,7 +87,15 @@ def quantize(
         amax below ``fp8_max * 2**-126`` (5.3e-36 for E4M3) uses less than the
         full float8 range instead of overflowing the scale to inf (Transformer
         Engine caps at float32's maximum instead).
+
+    Raises:
+        ValueError: if ``dtype`` is not an 8-bit float dtype.
     """
+    if not _is_fp8(dtype):
+        raise ValueError(
+            f"quantize(x, dtype): dtype must be an 8-bit float such as "
+            f"jnp.float8_e4m3fn or jnp.float8_e5m2, got {dtype!r}."
+        )
     fmax = float(jnp.finfo(dtype).max)
     amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
     ok = (amax > 0) & jnp.isfinite(amax)

@@ -52,7 +52,23 @@ _REWRITES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def register_higher_order(*names: str) -> Callable[[HigherOrderRule], HigherOrderRule]:
-    """Register ``rule(eqn, invals, ctx) -> outvals`` for primitive ``names``."""
+    """Register ``rule(eqn, invals, ctx) -> outvals`` for primitive ``names``.
+
+    Args:
+        *names: one or more primitive names (``eqn.primitive.name``, e.g.
+            ``"my_call"``).
+
+    Returns:
+        A decorator that registers ``rule`` and returns it unchanged.
+
+    Raises:
+        TypeError: if no name is given or a name is not a string.
+    """
+    if not names or not all(isinstance(n, str) for n in names):
+        raise TypeError(
+            f"register_higher_order(*names): give primitive names as strings, "
+            f"e.g. register_higher_order('my_call')(rule); got {names!r}."
+        )
 
     def register(rule: HigherOrderRule) -> HigherOrderRule:
         for name in names:

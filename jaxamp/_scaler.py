@@ -344,11 +344,19 @@ def dynamic_scale_tx(
         :class:`StaticScalerState`) by keyword only.
 
     Raises:
+        TypeError: if ``transform`` (or, from ``scaled_transform``, ``fun``) is
+            not callable.
         ValueError: if ``redo_on_nan`` is not an int >= 0, or an unknown
             transform is used with ``has_aux=True`` and no ``has_value``.
         TypeError: (from ``g``) if ``dynamic_scaler_state`` is passed positionally,
             missing, or not a scaler state.
     """
+    if not callable(transform):
+        raise TypeError(
+            f"dynamic_scale_tx(transform): transform must be a gradient "
+            f"transformation such as jax.value_and_grad, got "
+            f"{type(transform).__name__}."
+        )
     if (
         isinstance(redo_on_nan, bool)
         or not isinstance(redo_on_nan, (int, np.integer))
@@ -363,6 +371,12 @@ def dynamic_scale_tx(
         has_value = _KNOWN_HAS_VALUE.get(transform)
 
     def scaled_transform(fun: Callable, *t_args: Any, **t_kwargs: Any) -> Callable:
+        if not callable(fun):
+            raise TypeError(
+                f"fun must be the loss function (callable), got "
+                f"{type(fun).__name__}: e.g. "
+                "jaxamp.dynamic_scale_value_and_grad(loss_fn)."
+            )
         has_aux = _has_aux(transform, fun, t_args, t_kwargs)
         if has_aux and has_value is None and unscale_fn is None:
             raise ValueError(
@@ -507,6 +521,7 @@ def dynamic_scale_grad(
     Raises:
         ValueError: ``argnums`` other than 0 with ``filter=True``; a bad
             ``redo_on_nan``.
+        TypeError: ``fun`` is not callable.
         TypeError: (from ``g``) a positional, missing or wrong-typed
             ``dynamic_scaler_state``.
     """

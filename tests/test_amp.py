@@ -82,6 +82,8 @@ def test_bad_inputs_raise_clear_errors():
         jaxamp.amp(mlp, compute_dtype="bf17")
     with pytest.raises(TypeError, match="neither a primitive"):
         jaxamp.amp(mlp, amp_policy={1.5: jaxamp.use_compute_precision})
+    with pytest.raises(TypeError, match="overflow_check=...\\): must be True, False"):
+        jaxamp.amp(mlp, compute_dtype=jnp.float16, overflow_check="yes")
 
 
 def test_amp_stop_context_manager_and_decorator():

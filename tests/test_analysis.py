@@ -215,3 +215,8 @@ def test_saved_residual_bytes_of_a_product_is_zero():
 def test_not_a_jaxpr(helper):
     with pytest.raises(TypeError, match="expected a jaxpr"):
         helper(lambda x: x)
+
+
+def test_saved_residual_bytes_needs_a_function():
+    with pytest.raises(TypeError, match=r"saved_residual_bytes\(fn, \*args\): fn"):
+        jaxamp.saved_residual_bytes(jnp.ones(3), jnp.ones(3))

@@ -338,6 +338,11 @@ def test_fp8_policy_rejects_a_bare_string():
         jaxamp.fp8_policy(exclude_scopes="head")
 
 
+def test_quantize_rejects_a_dtype_that_is_not_8_bit():
+    with pytest.raises(ValueError, match="dtype must be an 8-bit float"):
+        jaxamp.quantize(jnp.ones(3), jnp.float16)
+
+
 def test_fp8_policy_equals_the_preset():
     policy = jaxamp.fp8_policy()
     assert policy.keys() == jaxamp.fp8_amp_policy.keys()

@@ -282,6 +282,13 @@ def test_register_higher_order_adds_a_rule():
         del _higher_order.higher_order_rules[prim.name]
 
 
+def test_register_higher_order_takes_names():
+    with pytest.raises(TypeError, match="give primitive names as strings"):
+        jaxamp.register_higher_order(_unknown_hop())
+    with pytest.raises(TypeError, match="give primitive names as strings"):
+        jaxamp.register_higher_order()
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=())
 def _identity_with_zero_cotangent(x, y):
     return x + y

@@ -201,6 +201,14 @@ def test_argnums_with_filter_false():
         jaxamp.dynamic_scale_grad(f, filter=True, argnums=1)
 
 
+def test_a_loss_that_is_not_callable_is_named_at_once():
+    for make in (jaxamp.dynamic_scale_grad, jaxamp.dynamic_scale_value_and_grad):
+        with pytest.raises(TypeError, match="fun must be the loss function"):
+            make(jnp.ones(3))
+    with pytest.raises(TypeError, match="transform must be a gradient transformation"):
+        jaxamp.dynamic_scale_tx(None)
+
+
 def test_filter_true_differentiates_the_model_arrays_only():
     model = {"w": jnp.full((3,), 2.0, jnp.float16), "n": 3, "act": jnp.tanh}
 
