@@ -24,6 +24,7 @@ import jax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_attention as ga  # noqa: E402
+from run import value_and_grad  # noqa: E402
 
 
 def kernel_times(trace_dir: Path, steps: int) -> dict[str, tuple[int, float]]:
@@ -71,7 +72,7 @@ def main(argv=None) -> int:
         if isinstance(loss, str):
             print(f"{name}: {loss}")
             continue
-        vg = ga._run.value_and_grad(loss)  # fp16: the loss-scaled gradient
+        vg = value_and_grad(loss)  # fp16: the loss-scaled gradient
 
         def step(p, x, y, vg=vg):
             value, g = vg(p, x, y)

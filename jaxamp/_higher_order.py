@@ -257,10 +257,9 @@ def _scan(eqn: Any, invals: list, ctx: AmpContext) -> Any:
     # before the loop, and their casts leave the body (see _loop_casts).
     casts = _loop_casts(eqn, body, n_consts, n_carry)
     if any(d is not None for d in casts):
-        body = _without_casts(body, casts)
-        if body is None:  # an open body would need consts: keep the casts inside
-            body = rewrite_jaxpr(params["jaxpr"], ctx, in_dtypes, out_dtypes, held)
-        else:
+        replayed = _without_casts(body, casts)
+        if replayed is not None:  # None: an open body would need consts
+            body = replayed
             invals = [x if c is None else cast(x, c) for x, c in zip(invals, casts)]
     params["jaxpr"] = body
     invals[n_consts : n_consts + n_carry] = carry
