@@ -65,6 +65,7 @@ import numpy as np
 
 from . import _compat
 from ._dtypes import is_float
+from ._overflow import CHECK_SCOPE
 
 REACH, WIDE, SUM = 1, 2, 4
 ALL = REACH  # conservative bits for an output whose consumers are unknown
@@ -653,6 +654,11 @@ def _leaf_uses(core: Any, var: Any, in_remat: bool = False):
                 yield eqn, in_remat
 
 
+def _is_check(eqn: Any) -> bool:
+    """A finite test that a float16 overflow check added (:mod:`jaxamp._overflow`)."""
+    return eqn.primitive.name == "is_finite" and CHECK_SCOPE in _compat.scope_names(eqn)
+
+
 def narrowed_inputs(jaxpr: Any) -> tuple[Any, ...]:
     """Per input of ``jaxpr``: the narrower float dtype that *every* use of it
     converts it to, else None.
@@ -660,9 +666,11 @@ def narrowed_inputs(jaxpr: Any) -> tuple[Any, ...]:
     Read on a body amp has already rewritten: an input all of whose uses are
     ``convert_element_type`` to one dtype narrower than its own (a float32
     weight read only by bfloat16 matmuls, directly or inside ``jit``/``remat``
-    bodies) can be passed in that dtype instead, with the same results. An
-    input that is also an output, read by any other equation, or converted to
-    two different dtypes gets None.
+    bodies) can be passed in that dtype instead, with the same results. The
+    finite tests of a float16 cast's overflow check do not count as reads: the
+    cast before the loop carries the check (the body's own check of the
+    narrowed value then finds nothing fresh). An input that is also an output,
+    read by any other equation, or converted to two different dtypes gets None.
 
     Args:
         jaxpr: an open or closed jaxpr.
@@ -675,6 +683,8 @@ def narrowed_inputs(jaxpr: Any) -> tuple[Any, ...]:
     for var in core.invars:
         seen = set()
         for eqn, _ in _leaf_uses(core, var):
+            if eqn is not None and _is_check(eqn):
+                continue  # the finite test of a cast's overflow check
             if eqn is None or eqn.primitive.name != "convert_element_type":
                 seen = None
                 break

@@ -28,7 +28,7 @@ from typing import Any
 
 import jax
 
-from . import _compat, _facts
+from . import _compat, _facts, _overflow
 from ._dtypes import dtype_of
 from ._interpreter import (
     RECAST_SCOPE,
@@ -321,22 +321,30 @@ def _without_casts(jaxpr: Any, dtypes: tuple) -> Any:
 
 def _replay(core: Any, consts: list, args: Any, narrowed: set) -> list:
     """Bind ``core``'s equations on ``args``, skipping the casts of the
-    ``narrowed`` inputs (see :func:`_without_casts`). A checkpoint amp added to
-    re-cast held inputs (:data:`RECAST_SCOPE`) whose casts all moved is
-    inlined: it has nothing left to re-cast."""
+    ``narrowed`` inputs (see :func:`_without_casts`) and, for float16, the NaN
+    factor of their overflow checks (the cast before the loop checks the
+    whole stack once; the finite tests left in the body read the narrowed
+    value and find nothing fresh). A checkpoint amp added to re-cast held
+    inputs (:data:`RECAST_SCOPE`) whose casts all moved is inlined: it has
+    nothing left to re-cast."""
     env = dict(zip(core.constvars, consts))
     env.update(zip(core.invars, args))
     read = lambda v: v.val if isinstance(v, _compat.Literal) else env[v]
+    removed = set()  # outputs of the removed casts
     for eqn in core.eqns:
         invals = [read(v) for v in eqn.invars]
         hit = [not isinstance(v, _compat.Literal) and v in narrowed for v in eqn.invars]
+        subs = [k for k, v in eqn.params.items() if _compat.is_jaxpr(v)]
         if eqn.primitive.name == "convert_element_type" and hit[0]:
             outs = invals  # already in the dtype it converted to
+            removed.add(eqn.outvars[0])
+        elif _is_check_factor(eqn, removed):
+            outs = invals[:1]  # the cast before the loop carries the check
         else:
             params = dict(eqn.params)
             outs = None
-            if any(hit):  # a call-like body: the casts are inside it
-                (name,) = [k for k, v in params.items() if _compat.is_jaxpr(v)]
+            if any(hit) and subs:  # a call-like body: the casts are inside it
+                (name,) = subs
                 sub_core, sub_consts = _compat.jaxpr_parts(params[name])
                 sub = {v for v, h in zip(sub_core.invars, hit) if h}
                 if _only_recasts(eqn, sub_core, sub):
@@ -354,6 +362,17 @@ def _replay(core: Any, consts: list, args: Any, narrowed: set) -> list:
                     outs = [outs]
         env.update(zip(eqn.outvars, outs))
     return [read(v) for v in core.outvars]
+
+
+def _is_check_factor(eqn: Any, removed: set) -> bool:
+    """``eqn`` multiplies the result of a removed cast by its overflow check's
+    NaN-or-1 factor (:func:`jaxamp._overflow.poison`)."""
+    return (
+        eqn.primitive.name == "mul"
+        and not isinstance(eqn.invars[0], _compat.Literal)
+        and eqn.invars[0] in removed
+        and _overflow.CHECK_SCOPE in _compat.scope_names(eqn)
+    )
 
 
 def _only_recasts(eqn: Any, sub_core: Any, moved: set) -> bool:

@@ -61,6 +61,10 @@ RISKY = frozenset(
     }
 )
 
+# Named scope of the equations a check adds (finite tests, the NaN factor): the
+# scan rule recognises a cast's check when it casts the input before the loop.
+CHECK_SCOPE = "jaxamp_overflow_check"
+
 _CHECK: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
     "jaxamp_overflow_check", default=None
 )
@@ -127,6 +131,12 @@ def poison(prim_name: str, inputs: Any, outputs: Any) -> Any:
     idx = [i for i, o in enumerate(outs) if limited_range(getattr(o, "dtype", None))]
     if not idx:
         return outputs
+    with jax.named_scope(CHECK_SCOPE):
+        return _poison(inputs, outputs, outs, idx)
+
+
+def _poison(inputs: Any, outputs: Any, outs: list, idx: list) -> Any:
+    """:func:`poison` for the limited-range outputs ``outs[i]``, ``i in idx``."""
     ins_ok = True
     for x in inputs:
         if not is_float(dtype_of(x)):
@@ -142,7 +152,7 @@ def poison(prim_name: str, inputs: Any, outputs: Any) -> Any:
         outs[i] = jax.lax.mul(o, factor)
         cache = _CHECK.get()
         cache[id(outs[i])] = (outs[i], jnp.logical_or(fresh, _nonfinite(o)))
-    return outs if many else outs[0]
+    return outs if isinstance(outputs, (list, tuple)) else outs[0]
 
 
 class Overflow(NamedTuple):
