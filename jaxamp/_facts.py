@@ -33,6 +33,17 @@ equation's values *are*:
   (``((x - m) * rsqrt(v)).astype(bfloat16) * g``): float32 statistics and
   normalisation, one rounding, residuals of the compute dtype after it;
 
+* per equation: ``rms_scaling``, a value multiplied by the inverse root of its
+  own sum of squares or divided by that root (``x * rsqrt(mean(x * x) + eps)``,
+  ``x / norm(x)``, the statistic seen through broadcasts, reshapes, casts, the
+  count, the epsilon and a gain folded into it): RMSNorm, QK-norm, an L2
+  normalisation. It runs in float32 like a LayerNorm's normalisation, and its
+  readers get ``after_normalisation``: RMSNorm as LLaMA's and Flax's
+  ``RMSNorm`` compute it (``(x * rsqrt(ms)).astype(bfloat16) * g``). The
+  square of that statistic gets ``rms_statistic``: it shares the scaling's
+  float32 copy of ``x``, so that the two cotangents of ``x`` (which nearly
+  cancel) are summed in float32 and rounded once, as by hand;
+
 * per ``scan``: which float carries may be narrowed to the compute dtype. A
   carry is narrowed only if it reaches a matmul in the body (an activation such
   as the residual stream) and no matmul-free path from a carry into it passes
@@ -56,6 +67,7 @@ choice, which keeps the compute dtype's memory savings.
 
 from __future__ import annotations
 
+import collections
 import contextvars
 import dataclasses
 import weakref
@@ -156,8 +168,15 @@ class EqnFacts:
         out_bits: per output, the OR of ``REACH``/``WIDE``/``SUM`` of its uses.
         quadratic: the equation squares a value (see the module docstring).
         centring: the equation subtracts a value's own mean (module docstring).
+        rms_scaling: the equation scales a value by the inverse root of its own
+            sum of squares (module docstring).
+        rms_statistic: the equation is the square whose sum an ``rms_scaling``
+            equation divides by.
+        shared_inputs: per input, whether another equation (or the jaxpr's
+            outputs) reads the same value too (a weight used by many matmuls).
         after_normalisation: an input is a centred value multiplied or divided
-            by something (a normalised value: module docstring).
+            by something, or the output of an ``rms_scaling`` equation (a
+            normalised value: module docstring).
         narrow_carries: for a ``scan``, per carry, whether it may be narrowed.
         sub_out_bits: ``id(sub-jaxpr param) -> out bits`` for higher-order
             equations, the facts the sub-jaxpr's analysis starts from.
@@ -169,7 +188,10 @@ class EqnFacts:
     out_bits: tuple[int, ...] = ()
     quadratic: bool = False
     centring: bool = False
+    rms_scaling: bool = False
+    rms_statistic: bool = False
     after_normalisation: bool = False
+    shared_inputs: tuple[bool, ...] = ()
     narrow_carries: tuple[bool, ...] = ()
     sub_out_bits: Any = None  # dict, or None
     in_squared: tuple[bool, ...] = ()
@@ -313,6 +335,11 @@ def _analyse(jaxpr: Any, out_bits: tuple[int, ...]) -> JaxprFacts:
             bits[v] = bits.get(v, 0) | b
     producer = {v: e for e in jaxpr.eqns for v in e.outvars}
     facts: list[EqnFacts] = [UNKNOWN] * len(jaxpr.eqns)
+    statistics: set[int] = set()  # id of the squares of RMSNorm statistics
+    uses = collections.Counter(
+        v for e in jaxpr.eqns for v in {u for u in e.invars if _is_var(u)}
+    )
+    uses.update(v for v in jaxpr.outvars if _is_var(v))
     for k in range(len(jaxpr.eqns) - 1, -1, -1):
         eqn = jaxpr.eqns[k]
         outs = tuple(bits.get(v, 0) for v in eqn.outvars)
@@ -320,10 +347,16 @@ def _analyse(jaxpr: Any, out_bits: tuple[int, ...]) -> JaxprFacts:
         for v, b in zip(eqn.invars, in_bits):
             if _is_var(v) and b:
                 bits[v] = bits.get(v, 0) | b
+        square = _rms_square(eqn, producer)
+        if square is not None:
+            statistics.add(id(square))
         facts[k] = EqnFacts(
             out_bits=outs,
             quadratic=_quadratic(eqn, producer),
             centring=_centring(eqn, producer),
+            rms_scaling=square is not None,
+            rms_statistic=id(eqn) in statistics,
+            shared_inputs=tuple(_is_var(v) and uses[v] > 1 for v in eqn.invars),
             **extra,
         )
     _mark_normalisations(jaxpr, facts)
@@ -332,14 +365,16 @@ def _analyse(jaxpr: Any, out_bits: tuple[int, ...]) -> JaxprFacts:
 
 
 def _mark_normalisations(jaxpr: Any, facts: list) -> None:
-    """Forward: the readers of ``centred * s`` / ``centred / s`` get
-    ``after_normalisation`` (within one jaxpr)."""
+    """Forward: the readers of ``centred * s`` / ``centred / s`` and of an
+    ``rms_scaling`` output get ``after_normalisation`` (within one jaxpr)."""
     centred: set = set()
     normalised: set = set()
     for k, eqn in enumerate(jaxpr.eqns):
         ins = [v for v in eqn.invars if _is_var(v)]
         if facts[k].centring:
             centred.update(eqn.outvars)
+        elif facts[k].rms_scaling:
+            normalised.update(eqn.outvars)
         elif eqn.primitive.name in ("mul", "div") and any(v in centred for v in ins):
             normalised.update(eqn.outvars)
         elif any(v in normalised for v in ins):
@@ -563,6 +598,87 @@ def _centring(eqn: Any, producer: dict) -> bool:
         if len(operands) != 1:  # a mean divides by a constant count
             return False
         v = operands[0]
+    return False
+
+
+# Steps from a sum of squares to the factor that scales the value: the mean's
+# count, the epsilon, a clamp, broadcasts, casts and a gain folded into the
+# factor (Flax's RMSNorm multiplies rsqrt(ms) by its scale first).
+_NORM_STEPS = _MEAN_STEPS | frozenset({"add", "max", "sub"})
+_INVERSE_ROOTS = {"mul": "rsqrt", "div": "sqrt"}
+
+
+def _rms_square(eqn: Any, producer: dict) -> Any:
+    """For ``x * rsqrt(f(sum(x * x)))`` or ``x / sqrt(f(sum(x * x)))`` (``x``
+    seen through casts, negation, abs and a constant shift; ``f`` through
+    :data:`_NORM_STEPS`), the equation computing ``x * x``; else None."""
+    name = eqn.primitive.name
+    if name not in _INVERSE_ROOTS or len(eqn.invars) != 2:
+        return None
+    a, b = eqn.invars
+    if not (_is_var(a) and _is_var(b)):
+        return None
+    pairs = [(a, b), (b, a)] if name == "mul" else [(a, b)]
+    for x, factor in pairs:
+        x_root = _root(_unshifted(x, producer), producer)
+        square = _own_square(factor, x_root, _INVERSE_ROOTS[name], producer)
+        if square is not None:
+            return square
+    return None
+
+
+def _own_square(v: Any, x_root: Any, inverse: str, producer: dict) -> Any:
+    """The equation squaring ``x`` if ``v`` is ``inverse`` (``rsqrt`` /
+    ``sqrt``) of a statistic derived from ``sum(x * x)`` (depth-first, at most
+    12 steps), else None."""
+    stack = [(v, False, 0)]
+    while stack:
+        v, rooted, depth = stack.pop()
+        step = producer.get(v) if _is_var(v) else None
+        if step is None or depth > 12:
+            continue
+        name = step.primitive.name
+        if name == "reduce_sum":
+            sq = producer.get(step.invars[0]) if _is_var(step.invars[0]) else None
+            if (
+                rooted
+                and sq is not None
+                and _quadratic(sq, producer)
+                and _is_var(sq.invars[0])
+                and _root(sq.invars[0], producer) is x_root
+            ):
+                return sq
+            continue
+        if name == inverse and not rooted:
+            stack.append((step.invars[0], True, depth + 1))
+        elif name in _NORM_STEPS:
+            stack.extend((u, rooted, depth + 1) for u in step.invars if _is_var(u))
+    return None
+
+
+def _unshifted(v: Any, producer: dict) -> Any:
+    """``v`` without a constant shift: Flax's RMSNorm subtracts a broadcast
+    zero (its mean, for LayerNorm) before scaling."""
+    eqn = producer.get(v)
+    if eqn is None or eqn.primitive.name not in ("sub", "add"):
+        return v
+    x, c = eqn.invars
+    return x if _is_var(x) and _is_constant(c, producer) else v
+
+
+def _is_constant(v: Any, producer: dict) -> bool:
+    """A literal, or a broadcast / reshape / cast of literals only."""
+    for _ in range(8):
+        if not _is_var(v):
+            return True
+        eqn = producer.get(v)
+        if eqn is None or eqn.primitive.name not in (
+            "broadcast_in_dim",
+            "reshape",
+            "convert_element_type",
+        ):
+            return False
+        v = eqn.invars[0]
     return False
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +19,14 @@ import numpy as np
 
 from . import _attention, _compat, _facts, _overflow, _reductions
 from ._dtypes import dtype_of, is_float
-from ._rules import MATMULS, Rule, cast, cast_cache, default_amp_policy
+from ._rules import (
+    MATMULS,
+    Rule,
+    cast,
+    cast_cache,
+    default_amp_policy,
+    use_lower_precision,
+)
 
 # Scope that marks equations an amp has already rewritten: an enclosing amp
 # treats them as "amp_stop", so the innermost amp decides inside its region.
@@ -261,27 +269,71 @@ def _apply_rule(eqn, invals, ctx: AmpContext, scopes) -> Any:
     if getattr(rule, "amp_impl", False):  # an implementation rule (e.g. FP8)
         return rule(ctx.compute_dtype, original, *invals, **params)
 
-    def apply(*vals):
+    def decide(*vals):
         result = rule(ctx.compute_dtype, original, *vals, **params)
-        new_in, new_params = check_rule_result(result, prim, rule, len(vals))
+        return check_rule_result(result, prim, rule, len(vals))
+
+    def bind(new_params, *new_in):
         outs = _reductions.bind(prim, new_in, new_params)
         return _overflow.poison(prim.name, new_in, outs)
 
+    def apply(*vals):
+        new_in, new_params = decide(*vals)
+        return bind(new_params, *new_in)
+
     if rule is ctx.policy.stop_rule:  # amp_stop regions stay as traced
         return apply(*invals)
-    # A matmul re-casts held inputs in the backward pass instead of saving copies;
-    # a square widened to float32 re-casts its low-precision input (the float32
-    # copy would be a residual as large as the activation, twice its bytes).
+    # A matmul re-casts held inputs in the backward pass instead of saving copies.
+    if prim.name in MATMULS and rule is use_lower_precision:
+        invals = _narrow_activations(invals, original, ctx.compute_dtype)
     if prim.name in MATMULS and _casts_only_held(invals, ctx.compute_dtype):
         return _recomputing_casts(apply, invals)
-    if _facts.current_facts().quadratic and any(map(_is_low, invals)):
-        if not _RECOMPUTED.get():  # in a user's checkpoint it would only cost fusion
-            return _recomputing_casts(apply, invals)
+    # A square widened to float32 re-casts its low-precision input (the float32
+    # copy would be a residual as large as the activation, twice its bytes); in
+    # a user's checkpoint that would only cost fusion. An RMSNorm's square casts
+    # outside and recomputes only itself (``2 * x``): its float32 copy of x is the
+    # one the scaling saves, and sharing it sums the two cotangents of x (which
+    # nearly cancel) in float32 before one rounding (_facts.rms_statistic).
+    facts = _facts.current_facts()
+    if facts.quadratic and any(map(_is_low, invals)) and not _RECOMPUTED.get():
+        if facts.rms_statistic:
+            new_in, new_params = decide(*invals)
+            return _recomputing_casts(functools.partial(bind, new_params), new_in)
+        return _recomputing_casts(apply, invals)
     return apply(*invals)
 
 
 def _is_low(x: Any) -> bool:
     return isinstance(x, jax.Array) and is_float(x.dtype) and x.dtype.itemsize < 4
+
+
+def _narrow_activations(
+    invals: Sequence[Any], original: Sequence[Any], compute_dtype: np.dtype
+) -> list[Any]:
+    """Cast the wide float inputs of a default-rule matmul that are not held
+    (activations: a float32 RMSNorm output) to the compute dtype, as the rule
+    would, before the held ones (weights) are left to :func:`_casts_only_held`:
+    the activation's low-precision copy is a residual either way, the weight's
+    copy need not be. Only where no held input is read by another equation
+    too: a weight that several matmuls read keeps its one cached copy (the cast
+    cache), instead of a cast per matmul in both passes. Inputs of a matmul
+    traced with mixed float dtypes stay."""
+    invals = list(invals)
+    floats = {np.dtype(d) for d, x in zip(original, invals) if is_float(d)}
+    shared = _facts.current_facts().shared_inputs or (True,) * len(invals)
+    held = [is_held(x) for x in invals]
+    if len(floats) > 1 or not any(held) or any(h and s for h, s in zip(held, shared)):
+        return invals
+    width = np.dtype(compute_dtype).itemsize
+    return [
+        cast(x, compute_dtype)
+        if isinstance(x, jax.Array)
+        and is_float(dtype_of(x))
+        and x.dtype.itemsize > width
+        and not is_held(x)
+        else x
+        for x in invals
+    ]
 
 
 def _casts_only_held(invals: Sequence[Any], compute_dtype: np.dtype) -> bool:

@@ -234,6 +234,10 @@ def follow_compute_precision(compute_dtype, original_dtypes, *invars, **params):
       float32; the equations reading the normalised value (gain, bias) run in
       the compute dtype: LayerNorm as a careful hand-written model computes it
       (``((x - m) * rsqrt(v)).astype(bfloat16) * g``);
+    * likewise a value scaled by the inverse root of its own mean square
+      (RMSNorm, QK-norm, ``x / norm(x)``) runs in float32 and its readers in
+      the compute dtype: ``(x * rsqrt(mean(x * x) + eps)).astype(bfloat16) * g``
+      as LLaMA's reference code and Flax's ``nnx.RMSNorm`` compute it;
     * otherwise, if any traced (non-literal, non-weak) float input is already in
       the compute dtype, all float inputs (literals too) are cast to it; if not,
       each float input goes back to its traced dtype.
@@ -250,6 +254,7 @@ def follow_compute_precision(compute_dtype, original_dtypes, *invars, **params):
         (facts.quadratic and (critical or facts.summed))
         or (critical and facts.squared_input)
         or facts.centring
+        or facts.rms_scaling
     ):
         return use_full_precision(compute_dtype, original_dtypes, *invars, **params)
     if facts.after_normalisation:
