@@ -1,4 +1,4 @@
-"""Runs benchmarks/run.py on a tiny size so the benchmark cannot rot."""
+"""Runs the benchmarks on tiny sizes so that they cannot rot."""
 
 import json
 import sys
@@ -120,3 +120,26 @@ def test_gpu_attention_kernel_census():
         'custom_call_target="__cublas$gemm" custom_call_target="__cublas$lt$matmul"'
     )
     assert gpu_attention.kernels(hlo) == {"fmha_fwd": 1, "fmha_bwd": 1, "cublas": 2}
+
+
+def test_rmsnorm_benchmark_tiny(tmp_path):
+    """benchmarks/rmsnorm.py on a tiny model for two steps: every variant's
+    gradient error is finite and below bfloat16-level bounds, and the rule-off
+    ablation really is another trace (its figures differ from jaxamp bf16's)."""
+    import rmsnorm
+
+    out = tmp_path / "rms.md"
+    args = ["--steps", "2", "--points", "2", "--eval-batches", "1", "--d-model", "32"]
+    args += ["--heads", "2", "--seq-len", "16", "--batch-size", "4"]
+    args += ["--max-bytes", "300000", "--out", str(out)]
+    assert rmsnorm.main(args) == 0  # standard promotion: optax's AdamW needs it
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert [r["step"] for r in rows] == [0, 2]
+    names = ["jaxamp bf16", "jaxamp bf16, RMSNorm rule off", "hand bf16"]
+    for r in rows:
+        for n in names:
+            assert 0 < r[n]["grad_rel_l2"] < 5e-2, (n, r)
+            assert r[n]["loss_abs_err"] < 1e-2, (n, r)
+    assert rows[0][names[0]] != rows[0][names[1]]
+    md = out.read_text()
+    assert "| jaxamp bf16 |" in md and "| hand bf16 |" in md
