@@ -137,13 +137,13 @@ def rms_rule_off():
         _higher_order._REWRITES.clear()
         jax.clear_caches()
 
-    saved = _facts._rms_square
-    _facts._rms_square = lambda eqn, producer: None
+    saved = _facts._rms_operands
+    _facts._rms_operands = lambda eqn, producer: None
     clear()
     try:
         yield
     finally:
-        _facts._rms_square = saved
+        _facts._rms_operands = saved
         clear()
 
 

@@ -40,9 +40,10 @@ equation's values *are*:
   normalisation. It runs in float32 like a LayerNorm's normalisation, and its
   readers get ``after_normalisation``: RMSNorm as LLaMA's and Flax's
   ``RMSNorm`` compute it (``(x * rsqrt(ms)).astype(bfloat16) * g``). The
-  square of that statistic gets ``rms_statistic``: it shares the scaling's
-  float32 copy of ``x``, so that the two cotangents of ``x`` (which nearly
-  cancel) are summed in float32 and rounded once, as by hand;
+  square of that statistic and Flax's shift of ``x`` by a constant zero mean
+  get ``rms_operand``: they run in float32 on the same float32 copy of ``x`` as
+  the scaling, so that the cotangents of ``x`` (which nearly cancel) are
+  summed in float32 and rounded once, as by hand;
 
 * per ``scan``: which float carries may be narrowed to the compute dtype. A
   carry is narrowed only if it reaches a matmul in the body (an activation such
@@ -170,8 +171,9 @@ class EqnFacts:
         centring: the equation subtracts a value's own mean (module docstring).
         rms_scaling: the equation scales a value by the inverse root of its own
             sum of squares (module docstring).
-        rms_statistic: the equation is the square whose sum an ``rms_scaling``
-            equation divides by.
+        rms_operand: the equation computes, from ``x``, an operand of an
+            ``rms_scaling`` equation: the square of its statistic, or ``x``
+            minus a constant (Flax's zero mean).
         shared_inputs: per input, whether another equation (or the jaxpr's
             outputs) reads the same value too (a weight used by many matmuls).
         after_normalisation: an input is a centred value multiplied or divided
@@ -189,7 +191,7 @@ class EqnFacts:
     quadratic: bool = False
     centring: bool = False
     rms_scaling: bool = False
-    rms_statistic: bool = False
+    rms_operand: bool = False
     after_normalisation: bool = False
     shared_inputs: tuple[bool, ...] = ()
     narrow_carries: tuple[bool, ...] = ()
@@ -335,7 +337,7 @@ def _analyse(jaxpr: Any, out_bits: tuple[int, ...]) -> JaxprFacts:
             bits[v] = bits.get(v, 0) | b
     producer = {v: e for e in jaxpr.eqns for v in e.outvars}
     facts: list[EqnFacts] = [UNKNOWN] * len(jaxpr.eqns)
-    statistics: set[int] = set()  # id of the squares of RMSNorm statistics
+    operands: set[int] = set()  # ids of the rms_operand equations
     uses = collections.Counter(
         v for e in jaxpr.eqns for v in {u for u in e.invars if _is_var(u)}
     )
@@ -347,15 +349,15 @@ def _analyse(jaxpr: Any, out_bits: tuple[int, ...]) -> JaxprFacts:
         for v, b in zip(eqn.invars, in_bits):
             if _is_var(v) and b:
                 bits[v] = bits.get(v, 0) | b
-        square = _rms_square(eqn, producer)
-        if square is not None:
-            statistics.add(id(square))
+        found = _rms_operands(eqn, producer)
+        if found is not None:
+            operands.update(id(e) for e in found)
         facts[k] = EqnFacts(
             out_bits=outs,
             quadratic=_quadratic(eqn, producer),
             centring=_centring(eqn, producer),
-            rms_scaling=square is not None,
-            rms_statistic=id(eqn) in statistics,
+            rms_scaling=found is not None,
+            rms_operand=id(eqn) in operands,
             shared_inputs=tuple(_is_var(v) and uses[v] > 1 for v in eqn.invars),
             **extra,
         )
@@ -608,10 +610,11 @@ _NORM_STEPS = _MEAN_STEPS | frozenset({"add", "max", "sub"})
 _INVERSE_ROOTS = {"mul": "rsqrt", "div": "sqrt"}
 
 
-def _rms_square(eqn: Any, producer: dict) -> Any:
+def _rms_operands(eqn: Any, producer: dict) -> tuple | None:
     """For ``x * rsqrt(f(sum(x * x)))`` or ``x / sqrt(f(sum(x * x)))`` (``x``
     seen through casts, negation, abs and a constant shift; ``f`` through
-    :data:`_NORM_STEPS`), the equation computing ``x * x``; else None."""
+    :data:`_NORM_STEPS`), the equations computing ``x * x`` and the shift (if
+    any); else None."""
     name = eqn.primitive.name
     if name not in _INVERSE_ROOTS or len(eqn.invars) != 2:
         return None
@@ -620,10 +623,11 @@ def _rms_square(eqn: Any, producer: dict) -> Any:
         return None
     pairs = [(a, b), (b, a)] if name == "mul" else [(a, b)]
     for x, factor in pairs:
-        x_root = _root(_unshifted(x, producer), producer)
+        unshifted = _unshifted(x, producer)
+        x_root = _root(unshifted, producer)
         square = _own_square(factor, x_root, _INVERSE_ROOTS[name], producer)
         if square is not None:
-            return square
+            return (square,) if unshifted is x else (square, producer[x])
     return None
 
 

@@ -293,10 +293,10 @@ def _apply_rule(eqn, invals, ctx: AmpContext, scopes) -> Any:
     # a user's checkpoint that would only cost fusion. An RMSNorm's square casts
     # outside and recomputes only itself (``2 * x``): its float32 copy of x is the
     # one the scaling saves, and sharing it sums the two cotangents of x (which
-    # nearly cancel) in float32 before one rounding (_facts.rms_statistic).
+    # nearly cancel) in float32 before one rounding (_facts.rms_operand).
     facts = _facts.current_facts()
     if facts.quadratic and any(map(_is_low, invals)) and not _RECOMPUTED.get():
-        if facts.rms_statistic:
+        if facts.rms_operand:
             new_in, new_params = decide(*invals)
             return _recomputing_casts(functools.partial(bind, new_params), new_in)
         return _recomputing_casts(apply, invals)

@@ -237,7 +237,8 @@ def follow_compute_precision(compute_dtype, original_dtypes, *invars, **params):
     * likewise a value scaled by the inverse root of its own mean square
       (RMSNorm, QK-norm, ``x / norm(x)``) runs in float32 and its readers in
       the compute dtype: ``(x * rsqrt(mean(x * x) + eps)).astype(bfloat16) * g``
-      as LLaMA's reference code and Flax's ``nnx.RMSNorm`` compute it;
+      as LLaMA's reference code and Flax's ``nnx.RMSNorm`` compute it (its
+      square and Flax's shift of ``x`` by a zero mean in float32 as well);
     * otherwise, if any traced (non-literal, non-weak) float input is already in
       the compute dtype, all float inputs (literals too) are cast to it; if not,
       each float input goes back to its traced dtype.
@@ -255,6 +256,7 @@ def follow_compute_precision(compute_dtype, original_dtypes, *invars, **params):
         or (critical and facts.squared_input)
         or facts.centring
         or facts.rms_scaling
+        or facts.rms_operand
     ):
         return use_full_precision(compute_dtype, original_dtypes, *invars, **params)
     if facts.after_normalisation:

@@ -345,9 +345,10 @@ def _facts_of(f, *args):
 
 
 @pytest.mark.parametrize("name", sorted(RMS_NORMS))
-def test_rms_scaling_and_its_statistic_are_found(name):
+def test_rms_scaling_and_its_operands_are_found(name):
     """One equation scales ``h`` by the inverse root of its own mean square; the
-    square of that statistic is marked too (it shares the float32 copy)."""
+    square of that statistic (and Flax's ``h - 0``) is marked too: it shares
+    the float32 copy of ``h``."""
     op = _rms_op(name)
     pairs = _facts_of(lambda h: op(h).sum(), jnp.ones((8, 32)))
     scaling = [
@@ -355,10 +356,12 @@ def test_rms_scaling_and_its_statistic_are_found(name):
     ]
     assert [shape for _, shape in scaling] == [(8, 32)], scaling
     assert scaling[0][0] in ("mul", "div")
-    stats = [e.primitive.name for e, f in pairs if f.rms_statistic]
-    assert len(stats) == 1 and stats[0] in ("mul", "square", "integer_pow", "abs"), (
-        stats
-    )
+    operands = sorted(e.primitive.name for e, f in pairs if f.rms_operand)
+    if name == "nnx.RMSNorm":  # x - 0 (Flax's zero mean), then the square
+        assert operands == ["square", "sub"], operands
+    else:
+        assert len(operands) == 1, operands
+        assert operands[0] in ("mul", "square", "integer_pow"), operands
 
 
 RMS_NEAR_MISSES = {
@@ -376,7 +379,7 @@ RMS_NEAR_MISSES = {
 def test_rms_near_misses_are_no_rms_scaling(name):
     op = RMS_NEAR_MISSES[name]
     pairs = _facts_of(lambda h, y: op(h, y).sum(), jnp.ones((8, 32)), jnp.ones((8, 32)))
-    assert not [e for e, f in pairs if f.rms_scaling or f.rms_statistic]
+    assert not [e for e, f in pairs if f.rms_scaling or f.rms_operand]
 
 
 @pytest.mark.parametrize("name", sorted(RMS_NORMS))
@@ -407,7 +410,7 @@ def test_rms_norm_scaling_float32_readers_bfloat16(name):
         assert full[-1] == ("mul", BF16), full
     # The check can fail: without the fact the scaling follows its bfloat16 input.
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_facts, "_rms_square", lambda eqn, producer: None)
+        mp.setattr(_facts, "_rms_operands", lambda eqn, producer: None)
         _facts._CACHE.clear()
         low = scalings()
     _facts._CACHE.clear()
@@ -463,11 +466,34 @@ def test_rms_norm_gradients_as_accurate_as_hand_written(monkeypatch):
         assert rel_l2(amp[0], ref[0]) < 1.1 * hand_err
         assert rel_l2(amp[1], ref[1]) < 1.2 * rel_l2(hand[1], ref[1])
         # The check can fail: without the fact the scaling runs in bfloat16.
-        monkeypatch.setattr(_facts, "_rms_square", lambda eqn, producer: None)
+        monkeypatch.setattr(_facts, "_rms_operands", lambda eqn, producer: None)
         _facts._CACHE.clear()
         low = jax.grad(jaxamp.amp(_rms_loss, compute_dtype=BF16))(p, x, t)
         _facts._CACHE.clear()
     assert rel_l2(low[0], ref[0]) > 1.3 * hand_err
+
+
+@pytest.mark.parametrize("name", sorted(RMS_NORMS))
+def test_rms_norm_casts_its_input_to_float32_once(name):
+    """Scaling, square (and Flax's ``h - 0``) read one float32 copy of the
+    bfloat16 ``h``: in the backward pass their cotangents meet in float32 and
+    are rounded to bfloat16 once."""
+    op = _rms_op(name)
+
+    def f(w, x):
+        return jnp.tanh(op(x @ w) @ w).sum()
+
+    w, _, x = _inputs()
+    closed = jax.make_jaxpr(jaxamp.amp(f, compute_dtype=jnp.bfloat16))(w, x)
+    widened = [
+        e
+        for e, _ in jaxamp.iter_equations(closed)
+        if e.primitive.name == "convert_element_type"
+        and e.invars[0].aval.dtype == BF16
+        and e.outvars[0].aval.dtype == F32
+        and e.outvars[0].aval.shape == x.shape
+    ]
+    assert len(widened) == 1, widened
 
 
 def test_rms_norm_saves_one_float32_copy(monkeypatch):
