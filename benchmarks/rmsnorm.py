@@ -22,7 +22,8 @@ the gradients of ``--eval-batches`` fixed held-out batches are taken by:
 Figures per step: the gradient's relative L2 error against fp32 (all
 parameters, and the attention projection ``qkv`` alone, which QK-norm
 differentiates through), the loss difference, and the largest activation
-entering an RMSNorm (they grow as the model trains).
+entering an RMSNorm (they grow as the model trains); once: the bytes of the
+residuals saved for the backward pass, against fp32's.
 """
 
 from __future__ import annotations
@@ -147,7 +148,7 @@ def rms_rule_off():
         clear()
 
 
-def measure(args) -> list[dict]:
+def measure(args) -> tuple[list[dict], dict]:
     train, val = _charlm.load_corpus(args.data_dir, args.max_bytes)
     scale = args.d_model**0.5 if args.emb_scale is None else args.emb_scale
     loss = make_loss(args.heads, scale)
@@ -168,9 +169,21 @@ def measure(args) -> list[dict]:
     ref_grad = jax.jit(jax.value_and_grad(loss))  # traced under "highest" below
     amp_grad = jax.jit(jax.value_and_grad(jaxamp.amp(loss, compute_dtype=BF16)))
     hand_grad = jax.jit(jax.value_and_grad(make_loss(args.heads, scale, hand=True)))
+    amp_loss = jaxamp.amp(loss, compute_dtype=BF16)
+    fp32_bytes = jaxamp.saved_residual_bytes(loss, params, xe, ye)
+    residuals = {
+        "jaxamp bf16": jaxamp.saved_residual_bytes(amp_loss, params, xe, ye),
+        "hand bf16": jaxamp.saved_residual_bytes(
+            make_loss(args.heads, scale, hand=True), params, xe, ye
+        ),
+    }
     with rms_rule_off():  # traced now, with the fact off
         off = jax.jit(jax.value_and_grad(jaxamp.amp(loss, compute_dtype=BF16)))
         off_grad = off.lower(params, xe, ye).compile()
+        residuals["jaxamp bf16, RMSNorm rule off"] = jaxamp.saved_residual_bytes(
+            jaxamp.amp(loss, compute_dtype=BF16), params, xe, ye
+        )
+    residuals = {k: v / fp32_bytes for k, v in residuals.items()}
     variants = {
         "jaxamp bf16": amp_grad,
         "jaxamp bf16, RMSNorm rule off": off_grad,
@@ -186,7 +199,7 @@ def measure(args) -> list[dict]:
         if t < args.steps:
             x, y = next(batches)
             params, opt = step(params, opt, x, y)
-    return rows
+    return rows, residuals
 
 
 def _errors(t, params, evals, ref_grad, probe, variants) -> dict:
@@ -254,15 +267,17 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "",
         "Means over the trained steps (after step 0), and relative to hand bf16:",
         "",
-        "| variant | grad error | qkv grad error | loss error |",
-        "|---|---|---|---|",
+        "| variant | grad error | qkv grad error | loss error | residuals vs fp32 |",
+        "|---|---|---|---|---|",
     ]
+    residuals = meta.get("residual_bytes_vs_fp32", {})
     for n in names:
         cells = []
         for key in ("grad_rel_l2", "qkv_grad_rel_l2", "loss_abs_err"):
             ratio = f" ({mean(n, key) / mean(hand, key):.2f}x)" if hand else ""
             cells.append(f"{mean(n, key):.2e}{ratio}")
-        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+        res = f"{residuals[n]:.3f}x" if n in residuals else "n/a"
+        lines.append(f"| {n} | " + " | ".join(cells) + f" | {res} |")
     return "\n".join(lines) + "\n"
 
 
@@ -290,8 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="markdown file (default: stdout)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    rows = measure(args)
+    rows, residuals = measure(args)
     meta = {
+        "residual_bytes_vs_fp32": residuals,
         "command": shlex.join(
             ["python", "benchmarks/rmsnorm.py", *(argv or sys.argv[1:])]
         ),

@@ -43,7 +43,12 @@ equation's values *are*:
   square of that statistic and Flax's shift of ``x`` by a constant zero mean
   get ``rms_operand``: they run in float32 on the same float32 copy of ``x`` as
   the scaling, so that the cotangents of ``x`` (which nearly cancel) are
-  summed in float32 and rounded once, as by hand;
+  summed in float32 and rounded once, as by hand. Where the statistic's
+  intermediate values have no other reader, the scaling equation also gets
+  ``rms_region`` (the indices of the equations from the square to it) and
+  those equations ``rms_member``: the interpreter runs them together, inside
+  one ``jax.checkpoint`` that saves the low-precision ``x`` and recomputes the
+  float32 normalisation in the backward pass;
 
 * per ``scan``: which float carries may be narrowed to the compute dtype. A
   carry is narrowed only if it reaches a matmul in the body (an activation such
@@ -174,6 +179,10 @@ class EqnFacts:
         rms_operand: the equation computes, from ``x``, an operand of an
             ``rms_scaling`` equation: the square of its statistic, or ``x``
             minus a constant (Flax's zero mean).
+        rms_region: for an ``rms_scaling`` equation whose statistic's values
+            have no other reader, the indices (ascending, itself last) of the
+            equations from the square to it (module docstring).
+        rms_member: the equation is in another equation's ``rms_region``.
         shared_inputs: per input, whether another equation (or the jaxpr's
             outputs) reads the same value too (a weight used by many matmuls).
         after_normalisation: an input is a centred value multiplied or divided
@@ -192,6 +201,8 @@ class EqnFacts:
     centring: bool = False
     rms_scaling: bool = False
     rms_operand: bool = False
+    rms_region: tuple[int, ...] = ()
+    rms_member: bool = False
     after_normalisation: bool = False
     shared_inputs: tuple[bool, ...] = ()
     narrow_carries: tuple[bool, ...] = ()
@@ -338,6 +349,7 @@ def _analyse(jaxpr: Any, out_bits: tuple[int, ...]) -> JaxprFacts:
     producer = {v: e for e in jaxpr.eqns for v in e.outvars}
     facts: list[EqnFacts] = [UNKNOWN] * len(jaxpr.eqns)
     operands: set[int] = set()  # ids of the rms_operand equations
+    scalings: dict[int, tuple] = {}  # index of an rms_scaling equation -> operands
     uses = collections.Counter(
         v for e in jaxpr.eqns for v in {u for u in e.invars if _is_var(u)}
     )
@@ -352,6 +364,7 @@ def _analyse(jaxpr: Any, out_bits: tuple[int, ...]) -> JaxprFacts:
         found = _rms_operands(eqn, producer)
         if found is not None:
             operands.update(id(e) for e in found)
+            scalings[k] = found
         facts[k] = EqnFacts(
             out_bits=outs,
             quadratic=_quadratic(eqn, producer),
@@ -361,9 +374,60 @@ def _analyse(jaxpr: Any, out_bits: tuple[int, ...]) -> JaxprFacts:
             shared_inputs=tuple(_is_var(v) and uses[v] > 1 for v in eqn.invars),
             **extra,
         )
+    _mark_rms_regions(jaxpr, facts, scalings)
     _mark_normalisations(jaxpr, facts)
     in_bits = tuple(bits.get(v, 0) for v in jaxpr.invars)
     return JaxprFacts(tuple(facts), in_bits)
+
+
+def _mark_rms_regions(jaxpr: Any, facts: list, scalings: dict) -> None:
+    """``rms_region`` / ``rms_member``: per RMSNorm scaling ``k``, the equations
+    that are both descendants of its square and ancestors of ``k`` (plus the
+    square and Flax's shift), where no value they compute is read outside that
+    set or returned; regions never overlap."""
+    eqns = jaxpr.eqns
+    index = {id(e): j for j, e in enumerate(eqns)}
+    readers: dict[Any, set[int]] = collections.defaultdict(set)
+    for j, e in enumerate(eqns):
+        for v in e.invars:
+            if _is_var(v):
+                readers[v].add(j)
+    returned = {v for v in jaxpr.outvars if _is_var(v)}
+    taken: set[int] = set()
+    for k, operands in sorted(scalings.items()):
+        s = index[id(operands[0])]  # the square
+        desc = set(eqns[s].outvars)
+        below: set[int] = set()
+        for j in range(s + 1, k + 1):
+            if any(_is_var(v) and v in desc for v in eqns[j].invars):
+                below.add(j)
+                desc.update(eqns[j].outvars)
+        need = {v for v in eqns[k].invars if _is_var(v)}
+        above: set[int] = set()
+        for j in range(k - 1, s - 1, -1):
+            if any(v in need for v in eqns[j].outvars):
+                above.add(j)
+                need.update(v for v in eqns[j].invars if _is_var(v))
+        region = (below & above) | {s, k} | {index[id(e)] for e in operands[1:]}
+        members = region - {k}
+        exclusive = all(
+            v not in returned and readers[v] <= region
+            for j in members
+            for v in eqns[j].outvars
+        )
+        if (
+            not exclusive
+            or region & taken
+            or any(
+                eqns[j].primitive.multiple_results or _named_subs(eqns[j].params)
+                for j in region
+            )
+        ):
+            continue
+        taken |= region
+        facts[k] = dataclasses.replace(facts[k], rms_region=tuple(sorted(region)))
+        for j in members:
+            facts[j] = dataclasses.replace(facts[j], rms_member=True)
 
 
 def _mark_normalisations(jaxpr: Any, facts: list) -> None:

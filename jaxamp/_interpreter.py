@@ -54,6 +54,10 @@ _RECOMPUTED: contextvars.ContextVar[bool] = contextvars.ContextVar(
 # it moved before the loop.
 RECAST_SCOPE = "jaxamp_recast"
 
+# Scope of the checkpoint in which an RMSNorm's statistic and scaling run
+# (_rms_region).
+RMS_SCOPE = "jaxamp_rms_norm"
+
 
 def recomputed() -> bool:
     """Whether the walk is inside a user's ``jax.checkpoint`` body."""
@@ -244,6 +248,11 @@ def _eval_eqns(jaxpr: Any, env: dict, ctx: AmpContext, boundary) -> list[Any]:
         for i, (eqn, eqn_facts) in enumerate(zip(jaxpr.eqns, facts)):
             if fusions.handled(i, eqn, env, ctx):
                 continue
+            if eqn_facts.rms_member:  # runs with its RMSNorm scaling, below
+                continue
+            if eqn_facts.rms_region:
+                env[eqn.outvars[0]] = _rms_region(jaxpr, facts, env, ctx, i)
+                continue
             invals = [_read(env, v) for v in eqn.invars]
             scopes = ctx.scopes + _compat.scope_names(eqn)
             token = _facts.set_current(eqn_facts)
@@ -259,6 +268,56 @@ def _eval_eqns(jaxpr: Any, env: dict, ctx: AmpContext, boundary) -> list[Any]:
             else:
                 env[eqn.outvars[0]] = outs
         return [_read(env, v) for v in jaxpr.outvars]
+
+
+def _rms_region(jaxpr: Any, facts: Sequence, env: dict, ctx: AmpContext, k: int):
+    """Run the equations of RMSNorm scaling ``k``'s ``rms_region`` (its square,
+    statistic and scaling: :mod:`jaxamp._facts`) under their rules, and return
+    the scaling's output.
+
+    When a low-precision value enters them outside a user's ``jax.checkpoint``
+    they run inside one ``jax.checkpoint`` (named scope ``jaxamp_rms_norm``):
+    the backward pass saves the low-precision ``x`` and recomputes the float32
+    normalisation, instead of saving a float32 copy of ``x``; within it the
+    cotangents of ``x`` meet in float32 and are rounded once.
+    """
+    region = facts[k].rms_region
+    eqns = [jaxpr.eqns[j] for j in region]
+    made = {v for e in eqns for v in e.outvars}
+    leaves = list(
+        dict.fromkeys(
+            v
+            for e in eqns
+            for v in e.invars
+            if not isinstance(v, _compat.Literal) and v not in made
+        )
+    )
+
+    def run(*vals):
+        local = dict(zip(leaves, vals))
+        for j, e in zip(region, eqns):
+            invals = [
+                v.val if isinstance(v, _compat.Literal) else local[v] for v in e.invars
+            ]
+            token = _facts.set_current(facts[j])
+            try:
+                with _compat.eqn_context(e):
+                    scopes = ctx.scopes + _compat.scope_names(e)
+                    local[e.outvars[0]] = _apply_rule(e, invals, ctx, scopes)
+            finally:
+                _facts.reset_current(token)
+        return local[eqns[-1].outvars[0]]
+
+    vals = [env[v] for v in leaves]
+    if _RECOMPUTED.get() or not any(map(_is_low, vals)):
+        return run(*vals)
+
+    def recomputed_run(*vals):
+        with cast_cache(), recomputing():  # casts traced here stay here
+            return run(*vals)
+
+    with jax.named_scope(RMS_SCOPE):
+        return jax.checkpoint(recomputed_run)(*vals)
 
 
 def _apply_rule(eqn, invals, ctx: AmpContext, scopes) -> Any:

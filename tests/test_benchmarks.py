@@ -141,5 +141,10 @@ def test_rmsnorm_benchmark_tiny(tmp_path):
             assert 0 < r[n]["grad_rel_l2"] < 5e-2, (n, r)
             assert r[n]["loss_abs_err"] < 1e-2, (n, r)
     assert rows[0][names[0]] != rows[0][names[1]]
+    residuals = json.loads(out.with_suffix(".json").read_text())["meta"][
+        "residual_bytes_vs_fp32"
+    ]
+    assert sorted(residuals) == sorted(names)
+    assert all(0 < r < 1 for r in residuals.values()), residuals
     md = out.read_text()
     assert "| jaxamp bf16 |" in md and "| hand bf16 |" in md

@@ -496,12 +496,12 @@ def test_rms_norm_casts_its_input_to_float32_once(name):
     assert len(widened) == 1, widened
 
 
-def test_rms_norm_saves_one_float32_copy(monkeypatch):
-    """The scaling and the square share one float32 copy of ``h`` (the square's
-    ``2 * h`` is recomputed in the backward pass, not saved beside it), so the
-    two cotangents of ``h`` are summed in float32 and rounded once. Besides it
-    only the normalised value's bfloat16 copy (the next matmul's input) is an
-    activation-sized residual."""
+def test_rms_norm_saves_its_bfloat16_input_not_a_float32_copy(monkeypatch):
+    """The square, statistic and scaling run in one ``jax.checkpoint``: the
+    backward pass saves the bfloat16 ``h`` and recomputes the float32
+    normalisation (the two cotangents of ``h`` still meet in float32 inside
+    it). Besides ``h`` only the normalised value's bfloat16 copy (the next
+    matmul's input) is an activation-sized residual."""
 
     def f(w, x):
         h = x @ w
@@ -509,29 +509,62 @@ def test_rms_norm_saves_one_float32_copy(monkeypatch):
         return jnp.tanh(n @ w[:, :8]).sum()
 
     w, x = rounded(np.eye(32) * 300, BF16), rounded(np.ones((8, 32)), BF16)
-    amp_f = jaxamp.amp(f, compute_dtype=BF16)
 
-    def wide_copies():
+    def copies():
         from jaxamp import _compat
 
-        return [
-            a
+        amp_f = jaxamp.amp(f, compute_dtype=BF16)
+        return sorted(
+            a.dtype.name
             for a, src in _compat.saved_residuals(amp_f, w, x)
             if a.shape == x.shape and not src.startswith("from the argument")
-        ]
+        )
 
-    assert sorted(a.dtype.name for a in wide_copies()) == ["bfloat16", "float32"]
-    # The check can fail: without the square's own checkpoint its 2 * h is a
-    # second float32 residual.
-    from jaxamp import _interpreter
+    assert copies() == ["bfloat16", "bfloat16"]
+    # The check can fail: without the region the scaling saves a float32 copy
+    # of h (shared with the square, whose 2 * h is recomputed).
+    monkeypatch.setattr(_facts, "_mark_rms_regions", lambda *a: None)
+    _facts._CACHE.clear()
+    try:
+        assert copies() == ["bfloat16", "float32"]
+        # ... and without the square's own checkpoint its 2 * h is a second one.
+        from jaxamp import _interpreter
 
-    monkeypatch.setattr(
-        _interpreter,
-        "_RECOMPUTED",
-        _interpreter.contextvars.ContextVar("r", default=True),
+        monkeypatch.setattr(
+            _interpreter,
+            "_RECOMPUTED",
+            _interpreter.contextvars.ContextVar("r", default=True),
+        )
+        assert copies() == ["bfloat16", "float32", "float32"]
+    finally:
+        _facts._CACHE.clear()
+
+
+def test_rms_norm_region_only_where_its_values_have_no_other_reader():
+    """A statistic read elsewhere too (``ms`` returned beside the output) keeps
+    the equations in place: no region, the same gradients."""
+
+    def f(w, x):
+        h = x @ w
+        ms = jnp.mean(h * h, -1, keepdims=True)
+        return (h * jax.lax.rsqrt(ms + 1e-6)) @ w, ms
+
+    w, _, x = _inputs()
+    closed = jax.make_jaxpr(f)(w, x)
+    facts = _facts.analyse(closed.jaxpr, (0, 0)).eqns
+    assert [f.rms_scaling for f in facts].count(True) == 1
+    assert not any(f.rms_region or f.rms_member for f in facts)
+    g = jax.grad(lambda w: jaxamp.amp(f, compute_dtype=BF16)(w, x)[0].sum())(w)
+    g_ref = jax.grad(lambda w: f(w, x)[0].sum())(w)
+    assert g.dtype == F32 and rel_l2(g, g_ref) < 2e-2
+    # Without the second reader the region is found.
+    closed = jax.make_jaxpr(lambda w, x: f(w, x)[0])(w, x)
+    facts = _facts.analyse(closed.jaxpr, (0,)).eqns
+    (k,) = [j for j, f in enumerate(facts) if f.rms_region]
+    assert facts[k].rms_region[-1] == k
+    assert [j for j, f in enumerate(facts) if f.rms_member] == list(
+        facts[k].rms_region[:-1]
     )
-    copies = sorted(a.dtype.name for a in wide_copies())
-    assert copies == ["bfloat16", "float32", "float32"]
 
 
 # --------------------------------------------------------- the loss chain
