@@ -35,9 +35,9 @@ equation's values *are*:
 
 * per equation: ``rms_scaling``, a value multiplied by the inverse root of its
   own sum of squares or divided by that root (``x * rsqrt(mean(x * x) + eps)``,
-  ``x / norm(x)``, the statistic seen through broadcasts, reshapes, casts, the
-  count, the epsilon and a gain folded into it): RMSNorm, QK-norm, an L2
-  normalisation. It runs in float32 like a LayerNorm's normalisation, and its
+  ``x / sqrt(sum(x * x))``, the statistic seen through broadcasts, reshapes,
+  casts, the count, the epsilon and a gain folded into it): RMSNorm, QK-norm,
+  an L2 normalisation. It runs in float32 like a LayerNorm's normalisation, and its
   readers get ``after_normalisation``: RMSNorm as LLaMA's and Flax's
   ``RMSNorm`` compute it (``(x * rsqrt(ms)).astype(bfloat16) * g``). The
   square of that statistic and Flax's shift of ``x`` by a constant zero mean

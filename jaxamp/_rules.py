@@ -235,7 +235,7 @@ def follow_compute_precision(compute_dtype, original_dtypes, *invars, **params):
       the compute dtype: LayerNorm as a careful hand-written model computes it
       (``((x - m) * rsqrt(v)).astype(bfloat16) * g``);
     * likewise a value scaled by the inverse root of its own mean square
-      (RMSNorm, QK-norm, ``x / norm(x)``) runs in float32 and its readers in
+      (RMSNorm, QK-norm, ``x / sqrt(sum(x * x))``) runs in float32 and its readers in
       the compute dtype: ``(x * rsqrt(mean(x * x) + eps)).astype(bfloat16) * g``
       as LLaMA's reference code and Flax's ``nnx.RMSNorm`` compute it (its
       square and Flax's shift of ``x`` by a zero mean in float32 as well);
