@@ -7,6 +7,8 @@ transform's error only. Activations reach the thousands (|x - mean| up to 3e4):
 where float16 squares overflow.
 """
 
+import contextlib
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -409,15 +411,32 @@ def test_rms_norm_scaling_float32_readers_bfloat16(name):
     if name in ("x*x", "eqx.nn.RMSNorm"):  # the gain reads the normalised value
         assert full[-1] == ("mul", BF16), full
     # The check can fail: without the fact the scaling follows its bfloat16 input.
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_facts, "_rms_operands", lambda eqn, producer: None)
-        _facts._CACHE.clear()
+    with _facts_patched("_rms_operands", lambda eqn, producer: None):
         low = scalings()
-    _facts._CACHE.clear()
     assert [d for _, d in full].count(F32) == [d for _, d in low].count(F32) + 1, (
         full,
         low,
     )
+
+
+@contextlib.contextmanager
+def _facts_patched(name, value):
+    """Replace ``jaxamp._facts.<name>`` for an ablation (yields the
+    ``MonkeyPatch``), with the facts and rewrite caches cleared on entry and
+    exit: no other test sees facts computed under it."""
+    from jaxamp import _higher_order
+
+    def clear():
+        _facts._CACHE.clear()
+        _higher_order._REWRITES.clear()
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_facts, name, value)
+        clear()
+        try:
+            yield mp
+        finally:
+            clear()
 
 
 def _rms_model_inputs(seed=0, d=256):
@@ -450,7 +469,7 @@ def _hand_rms_loss(p, x, t):
     return jnp.mean((out - t) ** 2)
 
 
-def test_rms_norm_gradients_as_accurate_as_hand_written(monkeypatch):
+def test_rms_norm_gradients_as_accurate_as_hand_written():
     """Gradients against float32 (``precision="highest"``): amp's error on the
     weight before the RMSNorm is within 10% of the hand-written model's
     (measured 4.6e-3 vs 4.3e-3; the rest is the cotangent of the last matmul,
@@ -466,10 +485,8 @@ def test_rms_norm_gradients_as_accurate_as_hand_written(monkeypatch):
         assert rel_l2(amp[0], ref[0]) < 1.1 * hand_err
         assert rel_l2(amp[1], ref[1]) < 1.2 * rel_l2(hand[1], ref[1])
         # The check can fail: without the fact the scaling runs in bfloat16.
-        monkeypatch.setattr(_facts, "_rms_operands", lambda eqn, producer: None)
-        _facts._CACHE.clear()
-        low = jax.grad(jaxamp.amp(_rms_loss, compute_dtype=BF16))(p, x, t)
-        _facts._CACHE.clear()
+        with _facts_patched("_rms_operands", lambda eqn, producer: None):
+            low = jax.grad(jaxamp.amp(_rms_loss, compute_dtype=BF16))(p, x, t)
     assert rel_l2(low[0], ref[0]) > 1.3 * hand_err
 
 
@@ -496,7 +513,7 @@ def test_rms_norm_casts_its_input_to_float32_once(name):
     assert len(widened) == 1, widened
 
 
-def test_rms_norm_saves_its_bfloat16_input_not_a_float32_copy(monkeypatch):
+def test_rms_norm_saves_its_bfloat16_input_not_a_float32_copy():
     """The square, statistic and scaling run in one ``jax.checkpoint``: the
     backward pass saves the bfloat16 ``h`` and recomputes the float32
     normalisation (the two cotangents of ``h`` still meet in float32 inside
@@ -523,21 +540,14 @@ def test_rms_norm_saves_its_bfloat16_input_not_a_float32_copy(monkeypatch):
     assert copies() == ["bfloat16", "bfloat16"]
     # The check can fail: without the region the scaling saves a float32 copy
     # of h (shared with the square, whose 2 * h is recomputed).
-    monkeypatch.setattr(_facts, "_mark_rms_regions", lambda *a: None)
-    _facts._CACHE.clear()
-    try:
+    with _facts_patched("_mark_rms_regions", lambda *a: None) as mp:
         assert copies() == ["bfloat16", "float32"]
         # ... and without the square's own checkpoint its 2 * h is a second one.
         from jaxamp import _interpreter
 
-        monkeypatch.setattr(
-            _interpreter,
-            "_RECOMPUTED",
-            _interpreter.contextvars.ContextVar("r", default=True),
-        )
+        recomputed = _interpreter.contextvars.ContextVar("r", default=True)
+        mp.setattr(_interpreter, "_RECOMPUTED", recomputed)
         assert copies() == ["bfloat16", "float32", "float32"]
-    finally:
-        _facts._CACHE.clear()
 
 
 def test_rms_norm_region_only_where_its_values_have_no_other_reader():
