@@ -167,21 +167,20 @@ def measure(args) -> tuple[list[dict], dict]:
         return optax.apply_updates(params, up), opt
 
     ref_grad = jax.jit(jax.value_and_grad(loss))  # traced under "highest" below
-    amp_grad = jax.jit(jax.value_and_grad(jaxamp.amp(loss, compute_dtype=BF16)))
-    hand_grad = jax.jit(jax.value_and_grad(make_loss(args.heads, scale, hand=True)))
     amp_loss = jaxamp.amp(loss, compute_dtype=BF16)
+    hand_loss = make_loss(args.heads, scale, hand=True)
+    amp_grad = jax.jit(jax.value_and_grad(amp_loss))
+    hand_grad = jax.jit(jax.value_and_grad(hand_loss))
     fp32_bytes = jaxamp.saved_residual_bytes(loss, params, xe, ye)
     residuals = {
         "jaxamp bf16": jaxamp.saved_residual_bytes(amp_loss, params, xe, ye),
-        "hand bf16": jaxamp.saved_residual_bytes(
-            make_loss(args.heads, scale, hand=True), params, xe, ye
-        ),
+        "hand bf16": jaxamp.saved_residual_bytes(hand_loss, params, xe, ye),
     }
     with rms_rule_off():  # traced now, with the fact off
-        off = jax.jit(jax.value_and_grad(jaxamp.amp(loss, compute_dtype=BF16)))
+        off = jax.jit(jax.value_and_grad(amp_loss))
         off_grad = off.lower(params, xe, ye).compile()
         residuals["jaxamp bf16, RMSNorm rule off"] = jaxamp.saved_residual_bytes(
-            jaxamp.amp(loss, compute_dtype=BF16), params, xe, ye
+            amp_loss, params, xe, ye
         )
     residuals = {k: v / fp32_bytes for k, v in residuals.items()}
     variants = {

@@ -240,8 +240,6 @@ def eval_jaxpr(
 
 
 def _eval_eqns(jaxpr: Any, env: dict, ctx: AmpContext, boundary) -> list[Any]:
-    from ._higher_order import rewrite_equation  # cycle: structure uses mechanism
-
     facts = _facts.with_boundary(jaxpr, boundary)
     fusions = _attention.Fusions(jaxpr)  # matched attention (issue 12)
     with cast_cache():
@@ -253,21 +251,29 @@ def _eval_eqns(jaxpr: Any, env: dict, ctx: AmpContext, boundary) -> list[Any]:
             if eqn_facts.rms_region:
                 env[eqn.outvars[0]] = _rms_region(jaxpr, facts, env, ctx, i)
                 continue
-            invals = [_read(env, v) for v in eqn.invars]
-            scopes = ctx.scopes + _compat.scope_names(eqn)
-            token = _facts.set_current(eqn_facts)
-            try:
-                with _compat.eqn_context(eqn):
-                    outs = rewrite_equation(eqn, invals, ctx.inside(scopes))
-                    if outs is None:
-                        outs = _apply_rule(eqn, invals, ctx, scopes)
-            finally:
-                _facts.reset_current(token)
-            if eqn.primitive.multiple_results:
-                env.update(zip(eqn.outvars, outs))
-            else:
-                env[eqn.outvars[0]] = outs
+            _run_eqn(eqn, eqn_facts, env, ctx)
         return [_read(env, v) for v in jaxpr.outvars]
+
+
+def _run_eqn(eqn: Any, eqn_facts: Any, env: dict, ctx: AmpContext) -> None:
+    """Rewrite (higher-order) or re-bind (rule) one equation with its facts
+    current, reading its inputs from ``env`` and writing its outputs there."""
+    from ._higher_order import rewrite_equation  # cycle: structure uses mechanism
+
+    invals = [_read(env, v) for v in eqn.invars]
+    scopes = ctx.scopes + _compat.scope_names(eqn)
+    token = _facts.set_current(eqn_facts)
+    try:
+        with _compat.eqn_context(eqn):
+            outs = rewrite_equation(eqn, invals, ctx.inside(scopes))
+            if outs is None:
+                outs = _apply_rule(eqn, invals, ctx, scopes)
+    finally:
+        _facts.reset_current(token)
+    if eqn.primitive.multiple_results:
+        env.update(zip(eqn.outvars, outs))
+    else:
+        env[eqn.outvars[0]] = outs
 
 
 def _rms_region(jaxpr: Any, facts: Sequence, env: dict, ctx: AmpContext, k: int):
@@ -296,16 +302,7 @@ def _rms_region(jaxpr: Any, facts: Sequence, env: dict, ctx: AmpContext, k: int)
     def run(*vals):
         local = dict(zip(leaves, vals))
         for j, e in zip(region, eqns):
-            invals = [
-                v.val if isinstance(v, _compat.Literal) else local[v] for v in e.invars
-            ]
-            token = _facts.set_current(facts[j])
-            try:
-                with _compat.eqn_context(e):
-                    scopes = ctx.scopes + _compat.scope_names(e)
-                    local[e.outvars[0]] = _apply_rule(e, invals, ctx, scopes)
-            finally:
-                _facts.reset_current(token)
+            _run_eqn(e, facts[j], local, ctx)
         return local[eqns[-1].outvars[0]]
 
     vals = [env[v] for v in leaves]
