@@ -1,9 +1,14 @@
-"""Dtype helpers: float-ness tests, widest dtype and dtype parsing."""
+"""Dtype helpers: float-ness and width tests, widest dtype, dtype parsing.
+
+Every "is this a low-precision float / a literal / weakly typed" question in
+jaxamp is answered here, once.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -91,3 +96,33 @@ def widest(dtypes) -> np.dtype | None:
 
 def _rank(dt: np.dtype) -> tuple[int, int]:
     return (dt.itemsize, int(dt == jnp.bfloat16))
+
+
+def is_literal(x: Any) -> bool:
+    """True for jaxpr literals and other constants (numpy / Python scalars):
+    anything that is not a JAX array or tracer."""
+    return not isinstance(x, jax.Array)
+
+
+def is_weak(x: Any) -> bool:
+    """True for weakly typed values (Python scalars and what they produce)."""
+    if is_literal(x):
+        return isinstance(x, (int, float))
+    return bool(getattr(jax.typeof(x), "weak_type", False))
+
+
+def is_low(x: Any) -> bool:
+    """True for a traced float value narrower than float32 (bfloat16, float16,
+    FP8); False for literals and numpy constants."""
+    return isinstance(x, jax.Array) and is_low_dtype(x.dtype)
+
+
+def is_low_dtype(dtype: Any) -> bool:
+    """True for a float dtype narrower than float32 (bfloat16, float16, FP8)."""
+    return dtype is not None and is_float(dtype) and np.dtype(dtype).itemsize < 4
+
+
+def limited_range(dtype: Any) -> bool:
+    """A float dtype whose largest value is below float32's (float16, FP8):
+    what the overflow check guards. bfloat16 has float32's range."""
+    return is_float(dtype) and float(jnp.finfo(dtype).max) < 1e38
