@@ -1,4 +1,10 @@
-"""``amp()``: automatic mixed precision by jaxpr rewriting; ``amp_stop``."""
+"""``amp()``: automatic mixed precision by jaxpr rewriting; ``amp_stop``.
+
+This module composes the pipeline (``docs/design.md``): it traces the user's
+function (with the pattern rewrites' tracing contexts entered), hands the
+interpreter its tables (the higher-order rules, the pattern rewrites) and
+restores the output dtypes.
+"""
 
 from __future__ import annotations
 
@@ -12,11 +18,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _attention, _compat, _nnx, _overflow
-from ._dtypes import canonical_dtype
-from ._interpreter import AMP_REGION, AmpContext, AmpPolicy, eval_jaxpr, restore
+from . import _attention, _compat, _higher_order, _nnx, _overflow, _rmsnorm
+from ._amp_policy import AMP_REGION, AmpPolicy
+from ._cast import cast_cache, restore
+from ._dtypes import canonical_dtype, limited_range
+from ._interpreter import AmpContext, Pipeline, eval_jaxpr
 from ._policy import cast_to_full_precision
-from ._rules import Rule, cast_cache, default_amp_policy
+from ._rules import Rule, default_amp_policy
+
+# The tables every amp walks with: the higher-order rules (a live view:
+# rules registered later apply) and the pattern rewrites, attention first.
+DEFAULT_PIPELINE = Pipeline(
+    higher_order=_higher_order.higher_order_rules,
+    rewrites=(_attention.REWRITE, _rmsnorm.REWRITE),
+)
 
 
 def amp(
@@ -88,14 +103,27 @@ def amp(
         >>> f(jnp.ones((3, 2)), jnp.ones((4, 3))).dtype
         dtype('float32')
     """
+    return amp_with(fn, compute_dtype, amp_policy, overflow_check, DEFAULT_PIPELINE)
+
+
+def amp_with(
+    fn: Callable | None,
+    compute_dtype: Any,
+    amp_policy: Mapping[Any, Rule],
+    overflow_check: bool | None,
+    pipeline: Pipeline,
+) -> Callable:
+    """:func:`amp` with the interpreter's tables given: ``pipeline`` (e.g. the
+    default one without a pattern rewrite, for an ablation)."""
     compute_dtype = canonical_dtype(compute_dtype, argname="compute_dtype")
     policy = AmpPolicy(amp_policy)
     if fn is None:
         return functools.partial(
-            amp,
+            amp_with,
             compute_dtype=compute_dtype,
             amp_policy=policy,
             overflow_check=overflow_check,
+            pipeline=pipeline,
         )
     if not callable(fn):
         raise TypeError(
@@ -108,39 +136,10 @@ def amp(
             f"on where compute_dtype's range is below float32's, e.g. float16), "
             f"got {overflow_check!r}."
         )
-    ctx = AmpContext(compute_dtype, policy)
+    ctx = AmpContext(compute_dtype, policy, pipeline)
     if overflow_check is None:
-        overflow_check = _overflow.limited_range(compute_dtype)
-
-    def amp_call(fn, args, kwargs):
-        dynamic, static = eqx.partition((args, kwargs), eqx.is_array)
-        leaves, treedef = jax.tree_util.tree_flatten(dynamic)
-        out_tree = []
-
-        def flat_fn(*flat):
-            a, kw = eqx.combine(jax.tree_util.tree_unflatten(treedef, flat), static)
-            out = fn(*a, **kw)
-            out_dyn, out_static = eqx.partition(out, eqx.is_array)
-            out_leaves, out_def = jax.tree_util.tree_flatten(out_dyn)
-            out_tree.append((out_def, out_static))
-            return out_leaves
-
-        with _attention.intercept():  # attention calls stay recognisable
-            closed = _compat.trace_to_closed_jaxpr(
-                flat_fn, [jax.typeof(x) for x in leaves], getattr(fn, "__name__", "amp")
-            )
-        core, consts = _compat.jaxpr_parts(closed)
-        check = _overflow.checking(bool(overflow_check))
-        with check, cast_cache(), jax.named_scope(AMP_REGION):
-            # The arguments (parameters, batch) and closed-over values are held:
-            # alive for the step, so casts of them are recomputed, not saved.
-            held = [True] * len(leaves)
-            # The outputs feed nothing in the function: no matmul, no softmax.
-            edge = ((0,) * len(core.outvars), None)
-            outs = eval_jaxpr(core, consts, leaves, ctx, held, True, edge)
-            outs = [restore(x, v.aval) for x, v in zip(outs, core.outvars)]
-        out_def, out_static = out_tree[0]
-        return eqx.combine(jax.tree_util.tree_unflatten(out_def, outs), out_static)
+        overflow_check = limited_range(compute_dtype)
+    amp_call = functools.partial(_amp_call, ctx, bool(overflow_check))
 
     @functools.wraps(fn)
     def amp_fn(*args, **kwargs):
@@ -149,6 +148,41 @@ def amp(
         return _nnx.call(amp_call, fn, args, kwargs)
 
     return amp_fn
+
+
+def _amp_call(ctx: AmpContext, check: bool, fn: Callable, args, kwargs) -> Any:
+    """Trace ``fn(*args, **kwargs)``, walk its jaxpr under ``ctx`` and return
+    its outputs in the dtypes ``fn`` returns."""
+    dynamic, static = eqx.partition((args, kwargs), eqx.is_array)
+    leaves, treedef = jax.tree_util.tree_flatten(dynamic)
+    out_tree = []
+
+    def flat_fn(*flat):
+        a, kw = eqx.combine(jax.tree_util.tree_unflatten(treedef, flat), static)
+        out = fn(*a, **kw)
+        out_dyn, out_static = eqx.partition(out, eqx.is_array)
+        out_leaves, out_def = jax.tree_util.tree_flatten(out_dyn)
+        out_tree.append((out_def, out_static))
+        return out_leaves
+
+    with contextlib.ExitStack() as stack:  # e.g. attention calls stay recognisable
+        for rewrite in ctx.pipeline.rewrites:
+            if rewrite.tracing is not None:
+                stack.enter_context(rewrite.tracing())
+        closed = _compat.trace_to_closed_jaxpr(
+            flat_fn, [jax.typeof(x) for x in leaves], getattr(fn, "__name__", "amp")
+        )
+    core, consts = _compat.jaxpr_parts(closed)
+    with _overflow.checking(check), cast_cache(), jax.named_scope(AMP_REGION):
+        # The arguments (parameters, batch) and closed-over values are held:
+        # alive for the step, so casts of them are recomputed, not saved.
+        held = [True] * len(leaves)
+        # The outputs feed nothing in the function: no matmul, no softmax.
+        edge = ((0,) * len(core.outvars), None)
+        outs = eval_jaxpr(core, consts, leaves, ctx, held, True, edge)
+        outs = [restore(x, v.aval) for x, v in zip(outs, core.outvars)]
+    out_def, out_static = out_tree[0]
+    return eqx.combine(jax.tree_util.tree_unflatten(out_def, outs), out_static)
 
 
 @contextlib.contextmanager

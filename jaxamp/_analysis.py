@@ -1,5 +1,5 @@
 """Measuring mixed precision: matmul FLOPs by dtype, primitive dtypes and the
-bytes of residuals saved for the backward pass (DESIGN.md, "Measuring").
+bytes of residuals saved for the backward pass (``docs/design.md``, "Measuring").
 
 Every helper walks a jaxpr and all its sub-jaxprs: any equation parameter that
 is a ``Jaxpr``/``ClosedJaxpr`` or a tuple/list of them (``jit``'s ``jaxpr``,

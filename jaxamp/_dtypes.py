@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _policy_context
+
 _ALIASES = {
     "f16": jnp.float16,
     "float16": jnp.float16,
@@ -32,19 +34,47 @@ _ALIASES = {
 }
 
 
+# Semantic dtype names (Haliax's ``SemanticDType``): the field of the current
+# policy each one names.
+SEMANTIC_FIELDS = {
+    "compute": "compute_dtype",
+    "param": "param_dtype",
+    "parameter": "param_dtype",
+    "output": "output_dtype",
+}
+
+
 def canonical_dtype(dtype: Any, *, argname: str = "dtype") -> np.dtype:
-    """Parse ``dtype`` (a dtype, a scalar type or a name such as ``"bf16"``).
+    """Parse ``dtype`` (a dtype, a scalar type, a name such as ``"bf16"``, or a
+    semantic name).
+
+    The semantic names ``"compute"``, ``"param"`` (or ``"parameter"``) and
+    ``"output"`` (also :class:`jaxamp.SemanticDType` members) resolve to that
+    dtype of the current policy (:func:`jaxamp.mixed_precision`), when this
+    function runs.
+
+    Args:
+        dtype: a NumPy / JAX dtype or scalar type, a dtype name (see
+            ``_ALIASES``) or a semantic name.
+        argname: the caller's argument name, used in error messages.
+
+    Returns:
+        A NumPy floating dtype.
 
     Raises:
-        ValueError: if ``dtype`` does not name a floating-point dtype; the message
-            names ``argname``.
+        ValueError: if ``dtype`` does not name a floating-point dtype, or is a
+            semantic name while no policy is active; the message names
+            ``argname``.
     """
     if isinstance(dtype, str):
         key = dtype.strip().lower()
+        if key in SEMANTIC_FIELDS:
+            return _semantic(key, argname)
         if key not in _ALIASES:
             raise ValueError(
                 f"{argname}={dtype!r} is not a known floating-point dtype name; use "
-                f"one of {sorted(_ALIASES)} or a jnp dtype such as jnp.bfloat16."
+                f"one of {sorted(_ALIASES)}, a semantic name "
+                "('compute', 'param', 'output') or a jnp dtype such as jnp.bfloat16."
             )
         dtype = _ALIASES[key]
     try:
@@ -59,6 +89,18 @@ def canonical_dtype(dtype: Any, *, argname: str = "dtype") -> np.dtype:
             f"jnp.float16), got {out}."
         )
     return out
+
+
+def _semantic(key: str, argname: str) -> np.dtype:
+    policy = _policy_context.current_policy()
+    if policy is None:
+        raise ValueError(
+            f"{argname}={key!r} names the current policy's {key} dtype, but no "
+            "policy is active: call it inside `with "
+            "jaxamp.mixed_precision('p=f32,c=bf16,o=f32'):` or pass a dtype such "
+            "as jnp.bfloat16."
+        )
+    return np.dtype(getattr(policy, SEMANTIC_FIELDS[key]))
 
 
 def is_float(dtype: Any) -> bool:

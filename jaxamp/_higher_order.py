@@ -10,7 +10,7 @@ layer called N times is rewritten once.
   body were inlined (see :func:`_call`).
 * ``scan``: the policy's ``"scan"`` rule chooses the carry dtype; inputs that
   the rewritten body only reads in a narrower dtype are cast before the loop
-  (see :func:`_loop_casts`).
+  (``_hoist.py``).
 * ``while``, ``cond``, ``shard_map``: identical input and output avals.
 * ``custom_jvp_call`` / ``custom_vjp_call``: the primal is rewritten *and* the
   user's jvp / fwd / bwd rules are wrapped so that they still run under
@@ -28,22 +28,22 @@ from typing import Any
 
 import jax
 
-from . import _compat, _facts, _overflow
+from . import _compat, _facts, _state
+from ._cast import cast, cast_cache, restore
 from ._dtypes import dtype_of
+from ._hoist import loop_casts, with_dtypes, without_casts
 from ._interpreter import (
-    RECAST_SCOPE,
     AmpContext,
+    HigherOrderRule,
     check_rule_result,
     eval_jaxpr,
-    is_held,
-    recomputed,
-    recomputing,
-    restore,
+    restore_inputs,
+    run_unchanged,
 )
-from ._rules import cast, cast_cache
+from ._residuals import is_held
 
-HigherOrderRule = Callable[[Any, list, AmpContext], Any]
-
+# The default table: primitive name -> rule. ``amp`` hands it to the
+# interpreter (``_interpreter.Pipeline``); rules registered later apply too.
 higher_order_rules: dict[str, HigherOrderRule] = {}
 
 # sub-jaxpr -> {context key: rewritten jaxpr}. Keyed weakly by the jaxpr object:
@@ -78,16 +78,6 @@ def register_higher_order(*names: str) -> Callable[[HigherOrderRule], HigherOrde
     return register
 
 
-def rewrite_equation(eqn: Any, invals: list, ctx: AmpContext) -> Any:
-    """Outputs of a higher-order equation, or None for an ordinary primitive."""
-    rule = higher_order_rules.get(eqn.primitive.name)
-    if rule is not None:
-        return rule(eqn, invals, ctx)
-    if any(True for _ in _compat.sub_jaxprs(eqn.params)):
-        return run_unchanged(eqn, invals, ctx)
-    return None
-
-
 FREE = "free"  # out_dtypes: outputs keep whatever dtype the rewritten body gives
 
 
@@ -104,7 +94,7 @@ def rewrite_jaxpr(
     the traced dtype) change the signature where a rule asked for it (scan
     carries); ``out_dtypes=FREE`` lets outputs leave in the dtype the body
     computes them in (call-like primitives). ``held`` marks the inputs bound to
-    held values (:func:`jaxamp._interpreter.is_held`) where JAX's partial
+    held values (:func:`jaxamp._residuals.is_held`) where JAX's partial
     evaluation forwards them as residuals. Returns a jaxpr of the same kind
     (closed or open), or None when an open jaxpr would need constants it
     cannot carry (the caller then runs the equation unchanged).
@@ -116,31 +106,22 @@ def rewrite_jaxpr(
     # The value facts of the outputs' uses, as the enclosing equation's analysis
     # found them (None when traced lazily, e.g. a jvp rule under jax.grad).
     edge = _facts.current_facts().boundary_for(jaxpr)
-    key = (ctx.key, in_dtypes, out_dtypes, held, edge, recomputed())
+    key = (ctx.key, in_dtypes, out_dtypes, held, edge, _state.current().recomputed)
     if key not in per_jaxpr:
         new = _retrace(jaxpr, ctx, in_dtypes, out_dtypes, held, edge)
         per_jaxpr[key] = _compat.like(jaxpr, new)
     return per_jaxpr[key]
 
 
-def _with_dtypes(avals: list, dtypes: tuple | None) -> list:
-    if dtypes is None:
-        return avals
-    return [
-        a if d is None else a.update(dtype=d, weak_type=False)
-        for a, d in zip(avals, dtypes)
-    ]
-
-
 def _retrace(
     jaxpr: Any, ctx: AmpContext, in_dtypes=None, out_dtypes=None, held=(), edge=None
 ) -> Any:
     core, consts = _compat.jaxpr_parts(jaxpr)
-    in_avals = _with_dtypes([v.aval for v in core.invars], in_dtypes)
+    in_avals = with_dtypes([v.aval for v in core.invars], in_dtypes)
     free = isinstance(out_dtypes, str) and out_dtypes == FREE
     out_avals = [v.aval for v in core.outvars]
     if not free:
-        out_avals = _with_dtypes(out_avals, out_dtypes)
+        out_avals = with_dtypes(out_avals, out_dtypes)
 
     def amp_body(*args):
         # A fresh cast cache per trace: a cast made in this trace must never be
@@ -152,17 +133,6 @@ def _retrace(
             return [restore(x, a) for x, a in zip(outs, out_avals)]
 
     return _compat.trace_to_closed_jaxpr(amp_body, in_avals)
-
-
-def _restore_inputs(eqn: Any, invals: list) -> list:
-    return [restore(x, v.aval) for x, v in zip(invals, eqn.invars)]
-
-
-def run_unchanged(eqn: Any, invals: list, ctx: AmpContext) -> Any:
-    """Bind the equation as traced, inputs restored to their traced dtypes."""
-    del ctx
-    params = _compat.bind_params(eqn.primitive, eqn.params)
-    return _compat.bind(eqn.primitive, _restore_inputs(eqn, invals), params)
 
 
 def _rewrite_params(params: dict, ctx: AmpContext) -> dict | None:
@@ -199,7 +169,7 @@ def _call(eqn: Any, invals: list, ctx: AmpContext) -> Any:
     # policy decides what is saved (a dots_saveable policy must see the dots).
     remat = eqn.primitive.name in ("remat2", "checkpoint")
     held = () if remat else tuple(map(is_held, invals))
-    with recomputing(remat):
+    with _state.recomputing(remat):
         params[name] = rewrite_jaxpr(params[name], ctx, in_dtypes, FREE, held)
     if params[name] is None:
         return run_unchanged(eqn, invals, ctx)
@@ -214,7 +184,7 @@ def rewrite_subjaxprs(eqn: Any, invals: list, ctx: AmpContext) -> Any:
     if new_params is None:
         return run_unchanged(eqn, invals, ctx)
     params = _compat.bind_params(eqn.primitive, new_params)
-    return _compat.bind(eqn.primitive, _restore_inputs(eqn, invals), params)
+    return _compat.bind(eqn.primitive, restore_inputs(eqn, invals), params)
 
 
 @register_higher_order("scan")
@@ -228,7 +198,7 @@ def _scan(eqn: Any, invals: list, ctx: AmpContext) -> Any:
     compute dtype are cast once, before the loop (:func:`_loop_casts`).
     """
     n_consts, n_carry = _compat.scan_carry_range(eqn.params)
-    invals = _restore_inputs(eqn, invals)
+    invals = restore_inputs(eqn, invals)
     carry_vars = eqn.invars[n_consts : n_consts + n_carry]
     rule = ctx.policy.lookup(eqn.primitive, ctx.scopes)
     result = rule(
@@ -254,10 +224,10 @@ def _scan(eqn: Any, invals: list, ctx: AmpContext) -> Any:
     if body is None:
         return run_unchanged(eqn, invals, ctx)
     # Inputs the rewritten body only reads in a narrower dtype are cast once,
-    # before the loop, and their casts leave the body (see _loop_casts).
-    casts = _loop_casts(eqn, body, n_consts, n_carry)
+    # before the loop, and their casts leave the body (_hoist.py).
+    casts = loop_casts(eqn, body, n_consts, n_carry)
     if any(d is not None for d in casts):
-        replayed = _without_casts(body, casts)
+        replayed = without_casts(body, casts)
         if replayed is not None:  # None: an open body would need consts
             body = replayed
             invals = [x if c is None else cast(x, c) for x, c in zip(invals, casts)]
@@ -267,142 +237,16 @@ def _scan(eqn: Any, invals: list, ctx: AmpContext) -> Any:
     return _compat.bind(eqn.primitive, invals, bparams)
 
 
-def _loop_casts(eqn: Any, body: Any, n_consts: int, n_carry: int) -> tuple:
-    """Per scan input: the dtype to cast it to once, before the loop, or None.
-
-    A const or xs input that every use in the rewritten ``body`` converts to
-    one narrower dtype (a float32 weight read only by bfloat16 matmuls) is cast
-    before the loop, as a careful engineer casts parameters before
-    ``lax.scan``:
-
-    * consts: one cast instead of one per iteration (and one per iteration
-      again in the backward pass); the low-precision copy is one array.
-    * xs read only inside a user's ``jax.checkpoint`` (scanned, checkpointed
-      layers): the loop casts each layer's weights twice (forward and
-      recomputation) in small kernels and stacks float32 weight gradients.
-      Cast before the loop, the weights are cast once and their gradients
-      are stacked in the compute dtype. The low-precision weight copy is then
-      a residual (as in hand-written bfloat16 code), and the float32 gradient
-      stack it replaces held as many bytes at the backward pass's peak.
-
-    Other xs (a scan without checkpoint) keep the per-matmul casts that the
-    backward pass recomputes from the float32 input, so that no weight copy is
-    among the residuals. Carries are the ``"scan"`` rule's.
-    """
-    narrowed = _facts.narrowed_inputs(body)
-    if all(d is None for d in narrowed):
-        return narrowed
-    recomputed = _facts.recomputed_inputs(eqn.params["jaxpr"])
-    return tuple(
-        d if i < n_consts or (i >= n_consts + n_carry and recomputed[i]) else None
-        for i, d in enumerate(narrowed)
-    )
-
-
-def _without_casts(jaxpr: Any, dtypes: tuple) -> Any:
-    """``jaxpr`` taking each input whose ``dtypes`` entry is not None in that
-    dtype, with the ``convert_element_type`` equations of those inputs to it
-    removed, in call-like bodies too (:func:`jaxamp._facts.narrowed_inputs`
-    found that they are their only uses). Every other equation is replayed as
-    it is, so the body computes exactly what it computed with the casts
-    inside. Returns a jaxpr of the same kind, or None where an open jaxpr
-    would need constants."""
-    core, consts = _compat.jaxpr_parts(jaxpr)
-    in_avals = _with_dtypes([v.aval for v in core.invars], dtypes)
-    narrowed = {v for v, d in zip(core.invars, dtypes) if d is not None}
-    try:
-        new = _compat.trace_to_closed_jaxpr(
-            lambda *args: _replay(core, consts, args, narrowed), in_avals
-        )
-    except _NeedsConsts:
-        return None
-    return _compat.like(jaxpr, new)
-
-
-def _replay(core: Any, consts: list, args: Any, narrowed: set) -> list:
-    """Bind ``core``'s equations on ``args``, skipping the casts of the
-    ``narrowed`` inputs (see :func:`_without_casts`) and, for float16, the NaN
-    factor of their overflow checks (the cast before the loop checks the
-    whole stack once; the finite tests left in the body read the narrowed
-    value and find nothing fresh). A checkpoint amp added to re-cast held
-    inputs (:data:`RECAST_SCOPE`) whose casts all moved is inlined: it has
-    nothing left to re-cast."""
-    env = dict(zip(core.constvars, consts))
-    env.update(zip(core.invars, args))
-    read = lambda v: v.val if isinstance(v, _compat.Literal) else env[v]
-    removed = set()  # outputs of the removed casts
-    for eqn in core.eqns:
-        invals = [read(v) for v in eqn.invars]
-        hit = [not isinstance(v, _compat.Literal) and v in narrowed for v in eqn.invars]
-        subs = [k for k, v in eqn.params.items() if _compat.is_jaxpr(v)]
-        if eqn.primitive.name == "convert_element_type" and hit[0]:
-            outs = invals  # already in the dtype it converted to
-            removed.add(eqn.outvars[0])
-        elif _is_check_factor(eqn, removed):
-            outs = invals[:1]  # the cast before the loop carries the check
-        else:
-            params = dict(eqn.params)
-            outs = None
-            if any(hit) and subs:  # a call-like body: the casts are inside it
-                (name,) = subs
-                sub_core, sub_consts = _compat.jaxpr_parts(params[name])
-                sub = {v for v, h in zip(sub_core.invars, hit) if h}
-                if _only_recasts(eqn, sub_core, sub):
-                    outs = _replay(sub_core, sub_consts, invals, sub)
-                else:
-                    dtypes = tuple(x.dtype if h else None for x, h in zip(invals, hit))
-                    params[name] = _without_casts(params[name], dtypes)
-                    if params[name] is None:
-                        raise _NeedsConsts
-            if outs is None:
-                with _compat.eqn_context(eqn):
-                    bparams = _compat.bind_params(eqn.primitive, params)
-                    outs = _compat.bind(eqn.primitive, invals, bparams)
-                if not eqn.primitive.multiple_results:
-                    outs = [outs]
-        env.update(zip(eqn.outvars, outs))
-    return [read(v) for v in core.outvars]
-
-
-def _is_check_factor(eqn: Any, removed: set) -> bool:
-    """``eqn`` multiplies the result of a removed cast by its overflow check's
-    NaN-or-1 factor (:func:`jaxamp._overflow.poison`)."""
-    return (
-        eqn.primitive.name == "mul"
-        and not isinstance(eqn.invars[0], _compat.Literal)
-        and eqn.invars[0] in removed
-        and _overflow.CHECK_SCOPE in _compat.scope_names(eqn)
-    )
-
-
-def _only_recasts(eqn: Any, sub_core: Any, moved: set) -> bool:
-    """``eqn`` is a re-casting checkpoint of amp's (not a user's) and every
-    input it re-casts is among the ``moved`` ones."""
-    if eqn.primitive.name not in ("remat2", "checkpoint"):
-        return False
-    if RECAST_SCOPE not in _compat.scope_names(eqn):
-        return False
-    recast = _facts.narrowed_inputs(sub_core)
-    return all(v in moved for v, d in zip(sub_core.invars, recast) if d is not None)
-
-
-class _NeedsConsts(Exception):
-    """An open sub-jaxpr would need constants after removing its casts."""
-
-
 @register_higher_order("shard_map")
 def _shard_map(eqn: Any, invals: list, ctx: AmpContext) -> Any:
     # The body is traced in shard_map's own context: manual mesh axes bound.
-    token = _facts.no_wide_results(not _compat.wide_products_in_manual_code())
-    try:
-        with _compat.shard_map_context(eqn.params):
-            new_params = _rewrite_params(eqn.params, ctx)
-    finally:
-        _facts.allow_wide_results(token)
+    wide = _state.current().wide_results and _compat.wide_products_in_manual_code()
+    with _state.updated(wide_results=wide), _compat.shard_map_context(eqn.params):
+        new_params = _rewrite_params(eqn.params, ctx)
     if new_params is None:
         return run_unchanged(eqn, invals, ctx)
     params = _compat.bind_params(eqn.primitive, new_params)
-    return _compat.bind(eqn.primitive, _restore_inputs(eqn, invals), params)
+    return _compat.bind(eqn.primitive, restore_inputs(eqn, invals), params)
 
 
 def _amp_closed_jaxpr(jaxpr: Any, consts: list, ctx: AmpContext) -> tuple[Any, list]:
@@ -473,7 +317,7 @@ def _custom_vjp_call(eqn: Any, invals: list, ctx: AmpContext) -> Any:
     params["fwd_jaxpr_thunk"] = _compat.wrap_fun(amp_fwd, user_fwd)
     params["bwd"] = _compat.wrap_fun(amp_bwd, user_bwd)
     bparams = _compat.bind_params(eqn.primitive, params)
-    return _compat.bind(eqn.primitive, _restore_inputs(eqn, invals), bparams)
+    return _compat.bind(eqn.primitive, restore_inputs(eqn, invals), bparams)
 
 
 def _amp_call(fn: Callable, args: tuple, ctx: AmpContext) -> Any:

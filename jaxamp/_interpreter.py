@@ -1,196 +1,140 @@
-"""The equation loop: read, look up scope/primitive rule, cast, bind, write.
+"""The equation loop: read, look up the rule, cast, bind, write.
 
-This module is mechanism only. Which dtype a primitive runs in is data
-(:mod:`jaxamp._rules`); how a sub-jaxpr is rewritten is structure
-(:mod:`jaxamp._higher_order`).
+This module is mechanism only: it names no primitive family and no feature.
+It is handed, in :class:`Pipeline`, the tables that decide everything else:
+
+* ``higher_order``: primitive name -> how an equation with sub-jaxprs is
+  rewritten (``_higher_order.py`` fills it); a primitive with sub-jaxprs that
+  is not in it runs unchanged (:func:`run_unchanged`);
+* ``rewrites``: pattern rewrites (:class:`PatternRewrite`): each finds regions
+  of a jaxpr (:class:`Region`: equations the loop skips and replaces at the
+  last one);
+* the policy (``_amp_policy.py``): primitive or scope -> rule, for every other
+  equation; what its backward pass saves is ``_residuals.py``'s choice.
+
+See ``docs/design.md`` for the pipeline from ``amp(fn)`` to the rewritten
+function.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
-import functools
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
-from . import _attention, _compat, _facts, _overflow, _reductions
-from ._dtypes import dtype_of, is_float
-from ._rules import (
-    MATMULS,
-    Rule,
-    cast,
-    cast_cache,
-    default_amp_policy,
-    use_lower_precision,
-)
+from . import _compat, _facts, _overflow, _reductions, _residuals, _state
+from ._amp_policy import AmpPolicy
+from ._cast import cast_cache, restore
+from ._jaxpr import read, write
 
-# Scope that marks equations an amp has already rewritten: an enclosing amp
-# treats them as "amp_stop", so the innermost amp decides inside its region.
-AMP_REGION = "jaxamp.amp"
-
-# id -> value of the inputs of the jaxpr being walked that stay alive for the
-# whole step anyway: the amp'd function's arguments and closed-over values
-# (parameters, batch) and the scan / jit inputs bound to them, which JAX's
-# partial evaluation forwards instead of copying.
-_HELD: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
-    "jaxamp_held", default=None
-)
+HigherOrderRule = Callable[[Any, list, "AmpContext"], Any]
 
 
-# True while amp rewrites the body of a user's jax.checkpoint: its residuals are
-# recomputed anyway, so a square is not wrapped in a checkpoint of its own (that
-# would only keep XLA from fusing its backward pass: 2 ms a step on an H100).
-_RECOMPUTED: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "jaxamp_recomputed", default=False
-)
+class Region(NamedTuple):
+    """Equations of one jaxpr that a pattern rewrite replaces together.
 
-
-# Scope of the checkpoints amp adds around an equation to re-cast its inputs in
-# the backward pass (_recomputing_casts): the scan rule inlines one whose casts
-# it moved before the loop.
-RECAST_SCOPE = "jaxamp_recast"
-
-# Scope of the checkpoint in which an RMSNorm's statistic and scaling run
-# (_rms_region).
-RMS_SCOPE = "jaxamp_rms_norm"
-
-
-def recomputed() -> bool:
-    """Whether the walk is inside a user's ``jax.checkpoint`` body."""
-    return _RECOMPUTED.get()
-
-
-@contextlib.contextmanager
-def recomputing(active: bool = True):
-    """Mark the walks in this block as inside a user's ``jax.checkpoint``."""
-    token = _RECOMPUTED.set(active or _RECOMPUTED.get())
-    try:
-        yield
-    finally:
-        _RECOMPUTED.reset(token)
-
-
-def is_held(x: Any) -> bool:
-    """True if ``x`` is an input of the current walk that is alive for the step."""
-    held = _HELD.get()
-    return held is not None and held.get(id(x)) is x
-
-
-class AmpPolicy:
-    """A validated, immutable view of an ``amp_policy`` mapping.
-
-    Keys are primitive objects, primitive names or ``jax.named_scope`` names
-    (plus the special keys ``"amp_stop"`` and ``"amp_default"``); values are
-    rules, or (for scope keys) nested policies that apply inside the scope.
-    Lookup order: ``"amp_stop"`` (or an inner amp's region) anywhere on
-    the scope stack, then as in jaxamp 0.0.4 the outermost scope component
-    found in the policy, then the primitive object, then the primitive name,
-    then ``"amp_default"``.
+    Attributes:
+        eqns: the equations' indices, ascending. The loop skips all but the
+            last once the region has started, and writes the last one's
+            outputs from ``finish``; no equation outside the region may read
+            the outputs of the others.
+        start: ``start(walk) -> token``, called at ``eqns[0]``: None leaves the
+            region to the loop (every equation is walked as usual); anything
+            else starts it and is handed to ``finish``.
+        finish: ``finish(walk, token) -> outputs`` of ``eqns[-1]`` (a list for
+            multiple results), called at ``eqns[-1]``; None walks ``eqns[-1]``
+            as usual (only meaningful for a one-equation region).
     """
 
-    __slots__ = ("_by_prim", "_by_name", "_default", "_source", "_stop")
-
-    def __init__(self, amp_policy: Mapping[Any, Rule]):
-        if isinstance(amp_policy, AmpPolicy):
-            amp_policy = amp_policy._source
-        if not isinstance(amp_policy, Mapping):
-            raise TypeError(
-                "amp_policy must be a mapping from primitive / primitive name / "
-                f"named_scope name to rule, got {type(amp_policy).__name__}."
-            )
-        by_prim: dict[Any, Rule] = {}
-        by_name: dict[str, Rule] = {}
-        for key, rule in amp_policy.items():
-            if isinstance(rule, Mapping) and isinstance(key, str):
-                rule = AmpPolicy(rule)  # a policy for everything inside a scope
-            elif not callable(rule):
-                raise TypeError(
-                    f"amp_policy[{key!r}] must be a rule (a callable with signature "
-                    "rule(compute_dtype, original_dtypes, *invars, **params)), got "
-                    f"{type(rule).__name__}."
-                )
-            if isinstance(key, _compat.Primitive):
-                by_prim[key] = rule
-            elif isinstance(key, str):
-                by_name[key] = rule
-            else:
-                raise TypeError(
-                    f"amp_policy key {key!r} of type {type(key).__name__} is neither "
-                    "a primitive (e.g. jax.lax.dot_general_p), a primitive name "
-                    "(e.g. 'dot_general') nor a jax.named_scope name (a str)."
-                )
-        by_name.setdefault("amp_stop", default_amp_policy["amp_stop"])
-        self._stop = by_name["amp_stop"]
-        self._default = by_name.pop("amp_default", default_amp_policy["amp_default"])
-        self._by_prim = by_prim
-        self._by_name = by_name
-        self._source = dict(amp_policy)
-
-    @property
-    def default_rule(self) -> Rule:
-        """The rule used when nothing in the policy matches (``"amp_default"``)."""
-        return self._default
-
-    @property
-    def stop_rule(self) -> Rule:
-        """The rule of ``amp_stop`` regions (and of inner amps' regions)."""
-        return self._stop
-
-    def lookup(self, primitive: Any, scopes: Sequence[str]) -> Rule:
-        """The rule for ``primitive`` under the scope components ``scopes``."""
-        if "amp_stop" in scopes or AMP_REGION in scopes:
-            return self._stop
-        for i, scope in enumerate(scopes):
-            rule = self._by_name.get(scope)
-            if isinstance(rule, AmpPolicy):  # nested: look up inside the scope
-                return rule.lookup(primitive, scopes[i + 1 :])
-            if rule is not None:
-                return rule
-        rule = self._by_prim.get(primitive)
-        if rule is not None:
-            return rule
-        rule = self._by_name.get(primitive.name)
-        return self._default if rule is None or isinstance(rule, AmpPolicy) else rule
+    eqns: tuple[int, ...]
+    start: Callable[[Walk], Any]
+    finish: Callable[[Walk, Any], Any]
 
 
-@dataclass(frozen=True, eq=False)
+class PatternRewrite(NamedTuple):
+    """A plug-in that replaces patterns of equations (attention, RMSNorm).
+
+    Attributes:
+        name: a short name, for configuration and error messages.
+        regions: ``regions(jaxpr, facts) -> iterable of Region`` for an open
+            jaxpr and its per-equation value facts.
+        tracing: a context manager factory entered while ``amp`` traces the
+            user's function (e.g. to keep a library call recognisable), or
+            None.
+    """
+
+    name: str
+    regions: Callable[[Any, Sequence[Any]], Iterable[Region]]
+    tracing: Callable[[], contextlib.AbstractContextManager] | None = None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Pipeline:
+    """The tables one ``amp`` walks with (compared by identity).
+
+    Attributes:
+        higher_order: primitive name -> :data:`HigherOrderRule`; read at each
+            equation, so rules registered later apply.
+        rewrites: pattern rewrites, in priority order (the first to claim an
+            equation wins).
+        ignore_facts: pattern facts the analysis does not derive
+            (``_facts.analyse``), for ablations.
+    """
+
+    higher_order: Mapping[str, HigherOrderRule]
+    rewrites: tuple[PatternRewrite, ...] = ()
+    ignore_facts: frozenset = frozenset()
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class AmpContext:
-    """What one jaxpr walk needs: the compute dtype, the policy, and the
-    ``named_scope`` components of the enclosing equations (sub-jaxprs are
-    traced with a fresh name stack, so the interpreter carries the prefix)."""
+    """What one jaxpr walk needs: the compute dtype, the policy, the tables,
+    and the ``named_scope`` components of the enclosing equations (sub-jaxprs
+    are traced with a fresh name stack, so the walk carries the prefix)."""
 
     compute_dtype: np.dtype
     policy: AmpPolicy
+    pipeline: Pipeline
     scopes: tuple[str, ...] = ()
 
     def inside(self, scopes: tuple[str, ...]) -> AmpContext:
         """The context for a sub-jaxpr of an equation with scope ``scopes``."""
         if scopes == self.scopes:
             return self
-        return AmpContext(self.compute_dtype, self.policy, scopes)
+        return dataclasses.replace(self, scopes=scopes)
 
     @property
     def key(self) -> tuple:
         """Cache key of a sub-jaxpr rewrite under this context."""
-        return (self.policy, self.compute_dtype, self.scopes)
+        return (self.policy, self.compute_dtype, self.scopes, self.pipeline)
 
 
-def restore(x: Any, aval: Any) -> Any:
-    """Cast ``x`` to exactly ``aval``'s dtype (and weak type) if it differs."""
-    dtype = getattr(aval, "dtype", None)
-    if dtype is None or getattr(x, "dtype", dtype) == dtype:
-        return x
-    if getattr(aval, "weak_type", False) and isinstance(x, jax.Array):
-        return _compat.convert(x, dtype, weak_type=True)
-    return cast(x, dtype)
+@dataclasses.dataclass(frozen=True, eq=False)
+class Walk:
+    """One walk of one jaxpr, as a :class:`Region` sees it."""
 
+    jaxpr: Any
+    facts: tuple
+    env: dict
+    ctx: AmpContext
 
-def _read(env: dict, v: Any) -> Any:
-    return v.val if isinstance(v, _compat.Literal) else env[v]
+    def read(self, v: Any) -> Any:
+        """The current value of variable or literal ``v``."""
+        return read(self.env, v)
+
+    def run_eqn(self, j: int, env: dict | None = None) -> None:
+        """Walk equation ``j`` as the loop would, on ``env`` (default: the
+        walk's own environment)."""
+        _run_eqn(
+            self.jaxpr.eqns[j],
+            self.facts[j],
+            self.env if env is None else env,
+            self.ctx,
+        )
 
 
 def eval_jaxpr(
@@ -208,10 +152,11 @@ def eval_jaxpr(
         jaxpr: an open jaxpr (``constvars``, ``invars``, ``eqns``, ``outvars``).
         consts: values for ``jaxpr.constvars``.
         args: values for ``jaxpr.invars`` (in their traced dtypes).
-        ctx: compute dtype, policy and enclosing scopes.
+        ctx: compute dtype, policy, tables and enclosing scopes.
         held: per arg, whether it stays alive for the whole step anyway (see
-            :func:`is_held`); a matmul whose cast inputs are all held recomputes
-            the casts in the backward pass instead of saving the copies.
+            :attr:`jaxamp._state.WalkState.held`); a matmul whose cast inputs
+            are all held recomputes the casts in the backward pass instead of
+            saving the copies.
         consts_held: whether ``consts`` are held (closed-over values of the
             amp'd function).
         boundary: ``(out bits, in_squared)``, the value facts at the edges of
@@ -221,7 +166,8 @@ def eval_jaxpr(
 
     Returns:
         The output values, in whatever dtype the policy left them; callers cast
-        back (:func:`restore`) where the surrounding code needs the traced avals.
+        back (:func:`jaxamp._cast.restore`) where the surrounding code needs
+        the traced avals.
 
     Raises:
         TypeError: if a rule returns the wrong number of inputs (names the
@@ -232,196 +178,126 @@ def eval_jaxpr(
     env.update(zip(jaxpr.invars, args))
     pairs = [*zip(args, held), *((c, consts_held) for c in consts)]
     held_map = {id(x): x for x, h in pairs if h and isinstance(x, jax.Array)}
-    token = _HELD.set(held_map)
-    try:
+    with _state.updated(held=held_map):
         return _eval_eqns(jaxpr, env, ctx, boundary)
-    finally:
-        _HELD.reset(token)
+
+
+def _plan(jaxpr: Any, facts: Sequence, rewrites: Sequence[PatternRewrite]) -> dict:
+    """Equation index -> the region claiming it (the first claim wins)."""
+    plan: dict[int, Region] = {}
+    for rewrite in rewrites:
+        for region in rewrite.regions(jaxpr, facts):
+            if not any(j in plan for j in region.eqns):
+                plan.update((j, region) for j in region.eqns)
+    return plan
 
 
 def _eval_eqns(jaxpr: Any, env: dict, ctx: AmpContext, boundary) -> list[Any]:
-    facts = _facts.with_boundary(jaxpr, boundary)
-    fusions = _attention.Fusions(jaxpr)  # matched attention (issue 12)
+    pipeline = ctx.pipeline
+    facts = _facts.with_boundary(jaxpr, boundary, pipeline.ignore_facts)
+    plan = _plan(jaxpr, facts, pipeline.rewrites)
+    walk = Walk(jaxpr, facts, env, ctx)
+    started: dict[int, Any] = {}  # first index of a started region -> token
     with cast_cache():
-        for i, (eqn, eqn_facts) in enumerate(zip(jaxpr.eqns, facts)):
-            if fusions.handled(i, eqn, env, ctx):
+        for i, eqn in enumerate(jaxpr.eqns):
+            region = plan.get(i)
+            if region is not None and _in_region(walk, region, i, started):
                 continue
-            if eqn_facts.rms_member:  # runs with its RMSNorm scaling, below
-                continue
-            if eqn_facts.rms_region:
-                env[eqn.outvars[0]] = _rms_region(jaxpr, facts, env, ctx, i)
-                continue
-            _run_eqn(eqn, eqn_facts, env, ctx)
-        return [_read(env, v) for v in jaxpr.outvars]
+            _run_eqn(eqn, facts[i], env, ctx)
+        return [read(env, v) for v in jaxpr.outvars]
+
+
+def _in_region(walk: Walk, region: Region, i: int, started: dict) -> bool:
+    """Whether ``region`` took care of equation ``i``: skipped it (a started
+    region's equation before its last) or wrote its outputs (the last)."""
+    first = region.eqns[0]
+    if i == first:
+        token = region.start(walk)
+        if token is None:
+            return False
+        started[first] = token
+    if first not in started:
+        return False
+    if i != region.eqns[-1]:
+        return True
+    outs = region.finish(walk, started[first])
+    if outs is None:
+        return False
+    write(walk.env, walk.jaxpr.eqns[i], outs)
+    return True
 
 
 def _run_eqn(eqn: Any, eqn_facts: Any, env: dict, ctx: AmpContext) -> None:
     """Rewrite (higher-order) or re-bind (rule) one equation with its facts
     current, reading its inputs from ``env`` and writing its outputs there."""
-    from ._higher_order import rewrite_equation  # cycle: structure uses mechanism
-
-    invals = [_read(env, v) for v in eqn.invars]
+    invals = [read(env, v) for v in eqn.invars]
     scopes = ctx.scopes + _compat.scope_names(eqn)
-    token = _facts.set_current(eqn_facts)
-    try:
-        with _compat.eqn_context(eqn):
-            outs = rewrite_equation(eqn, invals, ctx.inside(scopes))
-            if outs is None:
-                outs = _apply_rule(eqn, invals, ctx, scopes)
-    finally:
-        _facts.reset_current(token)
-    if eqn.primitive.multiple_results:
-        env.update(zip(eqn.outvars, outs))
-    else:
-        env[eqn.outvars[0]] = outs
+    with _state.updated(facts=eqn_facts), _compat.eqn_context(eqn):
+        hop = ctx.pipeline.higher_order.get(eqn.primitive.name)
+        if hop is not None:
+            outs = hop(eqn, invals, ctx.inside(scopes))
+        elif any(True for _ in _compat.sub_jaxprs(eqn.params)):
+            outs = run_unchanged(eqn, invals)
+        else:
+            outs = _apply_rule(eqn, invals, ctx, scopes)
+    write(env, eqn, outs)
 
 
-def _rms_region(jaxpr: Any, facts: Sequence, env: dict, ctx: AmpContext, k: int):
-    """Run the equations of RMSNorm scaling ``k``'s ``rms_region`` (its square,
-    statistic and scaling: :mod:`jaxamp._facts`) under their rules, and return
-    the scaling's output.
-
-    When a low-precision value enters them outside a user's ``jax.checkpoint``
-    they run inside one ``jax.checkpoint`` (named scope ``jaxamp_rms_norm``):
-    the backward pass saves the low-precision ``x`` and recomputes the float32
-    normalisation, instead of saving a float32 copy of ``x``; within it the
-    cotangents of ``x`` meet in float32 and are rounded once.
-    """
-    region = facts[k].rms_region
-    eqns = [jaxpr.eqns[j] for j in region]
-    made = {v for e in eqns for v in e.outvars}
-    leaves = list(
-        dict.fromkeys(
-            v
-            for e in eqns
-            for v in e.invars
-            if not isinstance(v, _compat.Literal) and v not in made
-        )
-    )
-
-    def run(*vals):
-        local = dict(zip(leaves, vals))
-        for j, e in zip(region, eqns):
-            _run_eqn(e, facts[j], local, ctx)
-        return local[eqns[-1].outvars[0]]
-
-    vals = [env[v] for v in leaves]
-    if _RECOMPUTED.get() or not any(map(_is_low, vals)):
-        return run(*vals)
-
-    def recomputed_run(*vals):
-        with cast_cache(), recomputing():  # casts traced here stay here
-            return run(*vals)
-
-    with jax.named_scope(RMS_SCOPE):
-        return jax.checkpoint(recomputed_run)(*vals)
+def run_unchanged(eqn: Any, invals: list, ctx: AmpContext | None = None) -> Any:
+    """Bind the equation as traced, inputs restored to their traced dtypes."""
+    del ctx
+    params = _compat.bind_params(eqn.primitive, eqn.params)
+    return _compat.bind(eqn.primitive, restore_inputs(eqn, invals), params)
 
 
-def _apply_rule(eqn, invals, ctx: AmpContext, scopes) -> Any:
+def restore_inputs(eqn: Any, invals: list) -> list:
+    """``invals`` cast back to the dtypes ``eqn`` was traced with."""
+    return [restore(x, v.aval) for x, v in zip(invals, eqn.invars)]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RuleCall:
+    """One equation's rule, ready to decide its inputs and bind."""
+
+    prim: Any
+    rule: Callable
+    params: dict
+    original: list
+    compute_dtype: np.dtype
+
+    @property
+    def name(self) -> str:
+        """The primitive's name."""
+        return self.prim.name
+
+    def decide(self, *vals: Any) -> tuple[list, dict]:
+        """The rule's ``(inputs, bind params)`` for ``vals``, validated."""
+        result = self.rule(self.compute_dtype, self.original, *vals, **self.params)
+        return check_rule_result(result, self.prim, self.rule, len(vals))
+
+    def bind(self, new_params: dict, *new_in: Any) -> Any:
+        """Bind the primitive (float32 sums of derived broadcasts, overflow
+        check)."""
+        outs = _reductions.bind(self.prim, new_in, new_params)
+        return _overflow.poison(self.prim.name, new_in, outs)
+
+    def apply(self, *vals: Any) -> Any:
+        """Decide, then bind."""
+        new_in, new_params = self.decide(*vals)
+        return self.bind(new_params, *new_in)
+
+
+def _apply_rule(eqn: Any, invals: list, ctx: AmpContext, scopes: tuple) -> Any:
     prim = eqn.primitive
     rule = ctx.policy.lookup(prim, scopes)
     params = _compat.bind_params(prim, eqn.params)
     original = [v.aval.dtype for v in eqn.invars]
     if getattr(rule, "amp_impl", False):  # an implementation rule (e.g. FP8)
         return rule(ctx.compute_dtype, original, *invals, **params)
-
-    def decide(*vals):
-        result = rule(ctx.compute_dtype, original, *vals, **params)
-        return check_rule_result(result, prim, rule, len(vals))
-
-    def bind(new_params, *new_in):
-        outs = _reductions.bind(prim, new_in, new_params)
-        return _overflow.poison(prim.name, new_in, outs)
-
-    def apply(*vals):
-        new_in, new_params = decide(*vals)
-        return bind(new_params, *new_in)
-
+    call = RuleCall(prim, rule, params, original, ctx.compute_dtype)
     if rule is ctx.policy.stop_rule:  # amp_stop regions stay as traced
-        return apply(*invals)
-    # A matmul re-casts held inputs in the backward pass instead of saving copies.
-    if prim.name in MATMULS and rule is use_lower_precision:
-        invals = _narrow_activations(invals, original, ctx.compute_dtype)
-    if prim.name in MATMULS and _casts_only_held(invals, ctx.compute_dtype):
-        return _recomputing_casts(apply, invals)
-    # A square widened to float32 re-casts its low-precision input (the float32
-    # copy would be a residual as large as the activation, twice its bytes); in
-    # a user's checkpoint that would only cost fusion. An RMSNorm's square casts
-    # outside and recomputes only itself (``2 * x``): its float32 copy of x is the
-    # one the scaling saves, and sharing it sums the two cotangents of x (which
-    # nearly cancel) in float32 before one rounding (_facts.rms_operand).
-    facts = _facts.current_facts()
-    if facts.quadratic and any(map(_is_low, invals)) and not _RECOMPUTED.get():
-        if facts.rms_operand:
-            new_in, new_params = decide(*invals)
-            return _recomputing_casts(functools.partial(bind, new_params), new_in)
-        return _recomputing_casts(apply, invals)
-    return apply(*invals)
-
-
-def _is_low(x: Any) -> bool:
-    return isinstance(x, jax.Array) and is_float(x.dtype) and x.dtype.itemsize < 4
-
-
-def _narrow_activations(
-    invals: Sequence[Any], original: Sequence[Any], compute_dtype: np.dtype
-) -> list[Any]:
-    """Cast the wide float inputs of a default-rule matmul that are not held
-    (activations: a float32 RMSNorm output) to the compute dtype, as the rule
-    would, before the held ones (weights) are left to :func:`_casts_only_held`:
-    the activation's low-precision copy is a residual either way, the weight's
-    copy need not be. Only where no held input is read by another equation
-    too: a weight that several matmuls read keeps its one cached copy (the cast
-    cache), instead of a cast per matmul in both passes. Inputs of a matmul
-    traced with mixed float dtypes stay."""
-    invals = list(invals)
-    floats = {np.dtype(d) for d, x in zip(original, invals) if is_float(d)}
-    shared = _facts.current_facts().shared_inputs or (True,) * len(invals)
-    held = [is_held(x) for x in invals]
-    if len(floats) > 1 or not any(held) or any(h and s for h, s in zip(held, shared)):
-        return invals
-    width = np.dtype(compute_dtype).itemsize
-    return [
-        cast(x, compute_dtype)
-        if isinstance(x, jax.Array)
-        and is_float(dtype_of(x))
-        and x.dtype.itemsize > width
-        and not is_held(x)
-        else x
-        for x in invals
-    ]
-
-
-def _casts_only_held(invals: Sequence[Any], compute_dtype: np.dtype) -> bool:
-    """Some input is a held float wider than the compute dtype, and every other
-    float input is at most as wide (so nothing but held values gets narrowed)."""
-    width = np.dtype(compute_dtype).itemsize
-    wide = [
-        x
-        for x in invals
-        if isinstance(x, jax.Array)
-        and is_float(dtype_of(x))
-        and x.dtype.itemsize > width
-    ]
-    return bool(wide) and all(is_held(x) for x in wide)
-
-
-def _recomputing_casts(apply: Callable, invals: Sequence[Any]) -> Any:
-    """``apply(*invals)`` inside ``jax.checkpoint``: the backward pass saves the
-    held wide inputs (alive anyway) and re-casts them, instead of saving their
-    low-precision copies. ``prevent_cse`` stays on so that XLA cannot merge the
-    recomputed cast with the forward one and keep the copy alive after all."""
-    idx = [i for i, x in enumerate(invals) if isinstance(x, jax.Array)]
-
-    def run(*arrays):
-        vals = list(invals)
-        for i, a in zip(idx, arrays):
-            vals[i] = a
-        with cast_cache():  # casts traced here must not leak to the outer walk
-            return apply(*vals)
-
-    with jax.named_scope(RECAST_SCOPE):
-        return jax.checkpoint(run)(*(invals[i] for i in idx))
+        return call.apply(*invals)
+    return _residuals.bind_saving_less(call, invals)
 
 
 def check_rule_result(result, prim, rule: Callable, n: int):

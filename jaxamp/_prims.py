@@ -8,7 +8,7 @@ from __future__ import annotations
 
 # Matmul-like primitives: the "lower" family of the default policy, the ones
 # whose held inputs are re-cast in the backward pass.
-MATMULS = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
+MATMULS = ("dot_general", "conv_general_dilated", "ragged_dot_general")
 
 # jax.checkpoint.
 REMATS = frozenset({"remat2", "checkpoint"})

@@ -46,9 +46,8 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from . import _compat
-from ._dtypes import dtype_of, is_float
-from ._facts import MATMULS
-from ._rules import is_literal
+from ._dtypes import dtype_of, is_float, is_literal, is_low
+from ._prims import MATMULS
 
 # Elementwise primitives that broadcast size-1 / rank-0 operands implicitly.
 ELEMENTWISE = frozenset(
@@ -60,13 +59,7 @@ BROADCASTING = frozenset({"broadcast_in_dim"})
 CHOOSERS = frozenset({"reduce_max", "reduce_min"})
 
 
-def _low(x: Any) -> bool:
-    """A traced floating value narrower than float32 (bf16, f16, FP8)."""
-    dtype = dtype_of(x)
-    return not is_literal(x) and is_float(dtype) and dtype.itemsize < 4
-
-
-def _expand(x: Any, shape: tuple[int, ...]) -> Any:
+def _broadcast_to(x: Any, shape: tuple[int, ...]) -> Any:
     """``x`` broadcast to ``shape`` (numpy broadcasting rules), explicitly."""
     lifted = jnp.reshape(x, (1,) * (len(shape) - np.ndim(x)) + np.shape(x))
     return jax.lax.broadcast_in_dim(lifted, shape, tuple(range(len(shape))))
@@ -74,14 +67,14 @@ def _expand(x: Any, shape: tuple[int, ...]) -> Any:
 
 def _widened_broadcast(t: Any, shape: tuple[int, ...]) -> Any:
     """``t`` broadcast to ``shape`` in float32, cast back to ``t``'s dtype."""
-    wide = _expand(jax.lax.convert_element_type(t, jnp.float32), shape)
+    wide = _broadcast_to(jax.lax.convert_element_type(t, jnp.float32), shape)
     return jax.lax.convert_element_type(wide, t.dtype)
 
 
 def _elementwise(prim: Any, invals: Sequence[Any], params: dict) -> Any:
     shapes = [np.shape(x) for x in invals]
     shape = tuple(np.broadcast_shapes(*shapes))
-    small = [i for i, x in enumerate(invals) if _low(x) and np.shape(x) != shape]
+    small = [i for i, x in enumerate(invals) if is_low(x) and np.shape(x) != shape]
     if not small:
         return None
     traced = [i for i, x in enumerate(invals) if not is_literal(x)]
@@ -137,7 +130,7 @@ def _partial_tangent(prim, params, vals, i, shape, t):
         x, y = vals
         q = _compat.bind(prim, vals, params)
         return jax.lax.div(jax.lax.mul(jax.lax.neg(t_full), q), y)
-    x_full = _expand(vals[i], shape)
+    x_full = _broadcast_to(vals[i], shape)
     return _jvp_at(prim, params, vals, i, x_full, t_full)
 
 
@@ -159,7 +152,7 @@ def _unary(prim: Any, x: Any, params: dict, tangent: Any) -> Any:
 
 def _broadcast_in_dim(prim: Any, invals: Sequence[Any], params: dict) -> Any:
     (x, *dyn) = invals
-    if dyn or not _low(x) or np.size(x) == np.prod(params["shape"]):
+    if dyn or not is_low(x) or np.size(x) == np.prod(params["shape"]):
         return None
 
     def tangent(x, out, t):
@@ -173,7 +166,7 @@ def _broadcast_in_dim(prim: Any, invals: Sequence[Any], params: dict) -> Any:
 
 def _chooser(prim: Any, invals: Sequence[Any], params: dict) -> Any:
     (x,) = invals
-    if not _low(x):
+    if not is_low(x):
         return None
     axes = tuple(params["axes"])
 
@@ -191,7 +184,7 @@ def _chooser(prim: Any, invals: Sequence[Any], params: dict) -> Any:
 
 def _wide_product(prim: Any, invals: Sequence[Any], params: dict) -> Any:
     wide = params.get("preferred_element_type")
-    lows = [x for x in invals[:2] if _low(x)]
+    lows = [x for x in invals[:2] if is_low(x)]
     if wide is None or len(lows) != 2 or np.dtype(wide).itemsize <= 2:
         return None
     low = np.dtype(lows[0].dtype)

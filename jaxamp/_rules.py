@@ -15,7 +15,7 @@ cast: the helpers here only touch real floating values.
 
 The default table follows PyTorch's autocast op lists
 (https://pytorch.org/docs/stable/amp.html#autocast-op-reference) mapped onto
-JAX primitives, see DESIGN.md, in three families:
+JAX primitives, in three families (``docs/design.md``, "The default policy"):
 
 * lower: matmul and convolution run in the compute dtype;
 * float32: range- or accuracy-critical ops (exp, log, sums, ...);
@@ -23,85 +23,25 @@ JAX primitives, see DESIGN.md, in three families:
   inputs already is in it, otherwise in the dtypes the original jaxpr had.
 
 The entry for ``scan`` is applied to the loop carries: by default they are
-narrowed to bfloat16 when that is the compute dtype (DESIGN.md: it removes the
-float32 residual stream of a scanned transformer).
+narrowed to bfloat16 when that is the compute dtype: it removes the float32
+residual stream of a scanned transformer.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _facts, _overflow
-from ._dtypes import canonical_dtype, dtype_of, is_float, widest
-from ._facts import MATMULS, current_facts
+from . import _facts
+from ._cast import cast
+from ._dtypes import canonical_dtype, dtype_of, is_float, is_literal, is_weak, widest
+from ._facts import current_facts
+from ._prims import MATMULS
 
 Rule = Callable[..., tuple[list, dict]]
-
-# Per-jaxpr-walk cast cache: (id(value), dtype) -> (value, cast value). Set by the
-# interpreter so that one parameter used by N matmuls is converted once.
-_CAST_CACHE: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
-    "jaxamp_cast_cache", default=None
-)
-
-
-@contextlib.contextmanager
-def cast_cache():
-    """Open a fresh cast cache for one jaxpr walk (used by the interpreter)."""
-    token = _CAST_CACHE.set({})
-    try:
-        with _overflow.fresh_flags():  # flags are per trace, like casts
-            yield
-    finally:
-        _CAST_CACHE.reset(token)
-
-
-def is_literal(x: Any) -> bool:
-    """True for jaxpr literals and other constants (numpy / Python scalars)."""
-    return not isinstance(x, jax.Array)
-
-
-def is_weak(x: Any) -> bool:
-    """True for weakly typed values (Python scalars and what they produce)."""
-    if is_literal(x):
-        return isinstance(x, (int, float))
-    return bool(getattr(jax.typeof(x), "weak_type", False))
-
-
-def cast(x: Any, dtype: Any) -> Any:
-    """Cast a real floating value to ``dtype``; anything else is returned as is.
-
-    Casts are deduplicated inside one jaxpr walk. Literals are cast in numpy so
-    they stay literals.
-    """
-    src = dtype_of(x)
-    if not is_float(src):
-        return x
-    dtype = np.dtype(dtype)
-    if src == dtype:
-        return x
-    if is_literal(x):
-        return np.asarray(x, dtype=dtype)
-    cache = _CAST_CACHE.get()
-    if cache is None:
-        return _overflow.poison(
-            "convert_element_type", [x], jax.lax.convert_element_type(x, dtype)
-        )
-    key = (id(x), dtype)
-    hit = cache.get(key)
-    if hit is not None and hit[0] is x:
-        return hit[1]
-    out = _overflow.poison(
-        "convert_element_type", [x], jax.lax.convert_element_type(x, dtype)
-    )
-    cache[key] = (x, out)
-    return out
 
 
 def _set_result_dtype(params: dict, dtype: Any, invars: Iterable[Any]) -> dict:
@@ -205,7 +145,7 @@ def _follow(compute_dtype, original_dtypes, invars):
 
 
 def _original(invars, original_dtypes):
-    return [cast(x, d) for x, d in zip(invars, original_dtypes)]
+    return use_original_precision(None, original_dtypes, *invars)[0]
 
 
 def _range_critical(compute_dtype) -> bool:
@@ -356,7 +296,7 @@ def _family(rule: Rule, *names: str) -> None:
         default_amp_policy[name] = rule
 
 
-# Matmul-like primitives (_facts.MATMULS): the "lower" family, and the ones whose
+# Matmul-like primitives (_prims.MATMULS): the "lower" family, and the ones whose
 # casts of held inputs the interpreter recomputes in the backward pass.
 _family(use_lower_precision, *MATMULS)
 _family(

@@ -1,0 +1,90 @@
+"""The walk state: what the rules and the interpreter share while amp binds.
+
+Rules keep jaxamp 0.0.4's signature ``rule(compute_dtype, original_dtypes,
+*invars, **params)``, so what they need beyond it (the current equation's value
+facts, the cast cache) cannot be passed as arguments. It lives in one immutable
+:class:`WalkState`, held by one ``ContextVar`` and replaced, never mutated, by
+:func:`updated` for the extent of a ``with`` block. A trace that starts inside
+a block sees the block's state; nested blocks restore the outer state on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class WalkState:
+    """What one jaxpr walk shares with the rules it calls.
+
+    Attributes:
+        held: ``id(value) -> value`` of the walk's inputs that stay alive for
+            the whole step anyway: the amp'd function's arguments and
+            closed-over values (parameters, batch) and the ``scan``/``jit``
+            inputs bound to them, which JAX's partial evaluation forwards
+            instead of copying. None outside a walk.
+        recomputed: the walk is inside a user's ``jax.checkpoint`` body, whose
+            residuals are recomputed anyway.
+        casts: the cast cache of the current trace, ``(id(value), dtype) ->
+            (value, cast value)``: one value cast once per dtype. None: no cache.
+        flags: the overflow check's cache of non-finite flags of the current
+            trace, ``id(value) -> (value, flag)``; None: no check.
+        facts: the value facts of the equation being bound (an
+            ``EqnFacts``; None outside a walk: every fact unknown).
+        wide_results: low-precision products may produce a float32 result
+            (False in a ``shard_map`` body on a backend that cannot run them).
+    """
+
+    held: Mapping[int, Any] | None = None
+    recomputed: bool = False
+    casts: dict | None = None
+    flags: dict | None = None
+    facts: Any = None
+    wide_results: bool = True
+
+
+_WALK: contextvars.ContextVar[WalkState] = contextvars.ContextVar(
+    "jaxamp_walk",
+    default=WalkState(),  # noqa: B039 (frozen: replaced, never mutated)
+)
+
+
+def current() -> WalkState:
+    """The walk state in force."""
+    return _WALK.get()
+
+
+@contextlib.contextmanager
+def updated(**changes: Any) -> Iterator[WalkState]:
+    """Replace fields of the walk state for the extent of the block.
+
+    Args:
+        **changes: :class:`WalkState` fields and their new values.
+
+    Yields:
+        The new state.
+    """
+    state = dataclasses.replace(_WALK.get(), **changes)
+    token = _WALK.set(state)
+    try:
+        yield state
+    finally:
+        _WALK.reset(token)
+
+
+def recomputing(active: bool = True) -> contextlib.AbstractContextManager:
+    """Mark the walks in the block as inside a user's ``jax.checkpoint``
+    (``active=False`` keeps the enclosing mark)."""
+    return updated(recomputed=active or current().recomputed)
+
+
+def fresh_trace() -> contextlib.AbstractContextManager:
+    """A fresh cast cache and overflow-flag cache for a new trace: a value
+    traced in one jaxpr must never be served to another (it would leak a
+    tracer). The overflow check stays on or off as it is."""
+    flags = None if current().flags is None else {}
+    return updated(casts={}, flags=flags)
