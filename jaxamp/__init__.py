@@ -18,6 +18,8 @@ from ._analysis import primitive_dtypes as primitive_dtypes
 from ._analysis import saved_residual_bytes as saved_residual_bytes
 from ._attention import AttentionRule as AttentionRule
 from ._attention import attention_rule as attention_rule
+from ._find_overflows import Overflow as Overflow
+from ._find_overflows import find_overflows as find_overflows
 from ._fp8 import fp8_amp_policy as fp8_amp_policy
 from ._fp8 import fp8_dot_general as fp8_dot_general
 from ._fp8 import fp8_policy as fp8_policy
@@ -29,8 +31,6 @@ from ._optax import all_finite as all_finite
 from ._optax import optimizer_update as optimizer_update
 from ._optax import select_tree as select_tree
 from ._optax import skip_nonfinite_updates as skip_nonfinite_updates
-from ._overflow import Overflow as Overflow
-from ._overflow import find_overflows as find_overflows
 from ._policy import Policy as Policy
 from ._policy import cast_to_bfloat16 as cast_to_bfloat16
 from ._policy import cast_to_float16 as cast_to_float16
