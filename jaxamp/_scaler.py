@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from numbers import Number
 from typing import Any, NamedTuple
 
 import equinox as eqx
@@ -28,33 +27,9 @@ import numpy as np
 
 from ._dtypes import widest
 from ._optax import all_finite
+from ._scaler_checks import _as, _validate_dynamic, _validate_scale
 
 PyTree = Any
-
-
-def _concrete(x: Any) -> bool:
-    """A Python or NumPy number (not a tracer, sentinel, None or bool)."""
-    if isinstance(x, (bool, np.bool_)):
-        return False
-    if isinstance(x, Number):
-        return True
-    return isinstance(x, (np.ndarray, np.generic)) and np.issubdtype(
-        np.asarray(x).dtype, np.number
-    )
-
-
-def _validate(owner: str, name: str, value: Any, ok: Callable, msg: str) -> None:
-    if _concrete(value):
-        if np.ndim(value) != 0:
-            raise ValueError(
-                f"{owner}: {name} must be a scalar, got shape {np.shape(value)}."
-            )
-        if not ok(float(value)):
-            raise ValueError(f"{owner}: {name}={value} {msg}.")
-
-
-def _as(dtype: Any) -> Callable[[Any], Any]:
-    return lambda v: jnp.asarray(v, dtype) if _concrete(v) else v
 
 
 def _register(cls: type) -> type:
@@ -89,21 +64,24 @@ class _DynamicFields(NamedTuple):
 class DynamicScalerState(_DynamicFields):
     """State of dynamic loss scaling: a NamedTuple pytree, jaxamp 0.0.4 fields.
 
-    Python and NumPy numbers are validated and converted to scalar arrays
-    (``scaler``, ``adjust_factor`` and the bounds: float32; ``patience`` and the
-    counters: int32), so the state has the same avals before and after a jitted
-    step (no recompilation). Every field is a pytree leaf: the bounds survive
-    ``jax.jit``, ``jax.tree_util.tree_map`` and checkpointing (jmp's
-    ``DynamicLossScale`` drops its ``min_loss_scale`` there). Rebuilding the state
-    from leaves (what jax does) skips validation, so ``tree_map(lambda _: 0,
-    state)`` is a valid ``in_axes`` tree.
+    Python and NumPy numbers and concrete JAX arrays are validated and
+    converted to scalar arrays (``scaler``, ``adjust_factor`` and the bounds:
+    float32; ``patience`` and the counters: int32), so the state has the same
+    avals before and after a jitted step (no recompilation). Every field is a
+    pytree leaf: the bounds survive ``jax.jit``, ``jax.tree_util.tree_map`` and
+    checkpointing (jmp's ``DynamicLossScale`` drops its ``min_loss_scale``
+    there). Rebuilding the state from leaves (what jax does) skips validation,
+    so ``tree_map(lambda _: 0, state)`` is a valid ``in_axes`` tree.
 
     Update rule (:meth:`adjust`, as jaxamp 0.0.4, with bounds): on non-finite
-    gradients ``scaler = max(scaler / adjust_factor, min_scaler)``, ``count = 0``,
+    gradients ``scaler = scaler / adjust_factor``, ``count = 0``,
     ``total_resets += 1``; on finite gradients, if ``count >= patience`` then
-    ``scaler = min(scaler * adjust_factor, max_scaler)`` and ``count = 0``, else
-    ``count += 1``. So after ``patience`` consecutive finite steps the next finite
-    step grows the scale.
+    ``scaler = scaler * adjust_factor`` and ``count = 0``, else ``count += 1``;
+    then, on every adjust, the scale is clipped to ``[min_scaler,
+    max_scaler]``, so a state built with a scale outside the bounds is back
+    within them after one step. So after ``patience`` consecutive finite steps
+    the next finite step grows the scale (jmp's and mpx's ``period`` is
+    ``patience + 1``).
 
     Save and load::
 
@@ -121,13 +99,15 @@ class DynamicScalerState(_DynamicFields):
             the scale.
         min_scaler: float32 scalar; lower bound of the scale (default 1.0, as
             jmp; jaxamp 0.0.4 had none).
-        max_scaler: float32 scalar; upper bound of the scale (default 2**24).
+        max_scaler: float32 scalar; upper bound of the scale (default 2**24;
+            ``inf`` for none).
 
     Raises:
-        ValueError: when built from numbers with ``scaler``, ``min_scaler`` or
-            ``max_scaler`` <= 0, ``adjust_factor <= 1``, ``patience < 0``,
-            ``count`` or ``total_resets`` < 0, ``min_scaler > max_scaler``, or a
-            non-scalar field.
+        ValueError: when built from concrete values with ``scaler``,
+            ``min_scaler`` or ``max_scaler`` <= 0 or NaN, ``scaler`` or
+            ``min_scaler`` infinite, ``adjust_factor <= 1`` or infinite,
+            ``patience < 0``, ``count`` or ``total_resets`` < 0, ``min_scaler >
+            max_scaler``, or a non-scalar field. Traced values are not checked.
     """
 
     __slots__ = ()
@@ -142,25 +122,9 @@ class DynamicScalerState(_DynamicFields):
         min_scaler: Any = 1.0,
         max_scaler: Any = 2.0**24,
     ) -> DynamicScalerState:
-        own = "DynamicScalerState"
-        positive = (lambda v: v > 0, "must be > 0")
-        non_negative = (lambda v: v >= 0, "must be >= 0")
-        _validate(own, "scaler", scaler, *positive)
-        _validate(own, "min_scaler", min_scaler, *positive)
-        _validate(own, "max_scaler", max_scaler, *positive)
-        _validate(own, "adjust_factor", adjust_factor, lambda v: v > 1, "must be > 1")
-        _validate(own, "patience", patience, *non_negative)
-        _validate(own, "count", count, *non_negative)
-        _validate(own, "total_resets", total_resets, *non_negative)
-        if (
-            _concrete(min_scaler)
-            and _concrete(max_scaler)
-            and float(min_scaler) > float(max_scaler)
-        ):
-            raise ValueError(
-                f"{own}: min_scaler={min_scaler} > max_scaler={max_scaler}; "
-                "pass min_scaler <= max_scaler."
-            )
+        _validate_dynamic(
+            patience, adjust_factor, scaler, count, total_resets, min_scaler, max_scaler
+        )
         f32, i32 = _as(jnp.float32), _as(jnp.int32)
         return super().__new__(
             cls,
@@ -181,13 +145,28 @@ class DynamicScalerState(_DynamicFields):
                 :func:`jaxamp.all_finite`.
 
         Returns:
-            The next :class:`DynamicScalerState` (see the class docstring).
+            The next :class:`DynamicScalerState` (see the class docstring); its
+            scale is within ``[min_scaler, max_scaler]``.
+
+        Raises:
+            ValueError: if ``grads_finite`` is not a scalar.
         """
+        if np.ndim(grads_finite) != 0:
+            raise ValueError(
+                f"adjust(grads_finite): grads_finite must be a scalar bool, got "
+                f"shape {np.shape(grads_finite)}; reduce the gradients with "
+                "jaxamp.all_finite(grads)."
+            )
         finite = jnp.asarray(grads_finite, bool)
         grow = finite & (self.count >= self.patience)
-        up = jnp.minimum(self.scaler * self.adjust_factor, self.max_scaler)
-        down = jnp.maximum(self.scaler / self.adjust_factor, self.min_scaler)
+        up = self.scaler * self.adjust_factor
+        # With max_scaler=inf the product can overflow float32: keep the scale.
+        up = jnp.where(jnp.isfinite(up), up, self.scaler)
+        down = self.scaler / self.adjust_factor
         scaler = jnp.where(finite, jnp.where(grow, up, self.scaler), down)
+        # Clipped on every adjust, so a state built outside the bounds comes
+        # back within them after one step, whatever the step was.
+        scaler = jnp.clip(scaler, self.min_scaler, self.max_scaler)
         count = jnp.where(finite & ~grow, self.count + 1, 0)
         return self._replace(
             scaler=jnp.asarray(scaler, jnp.float32),
@@ -231,13 +210,14 @@ class StaticScalerState(_StaticFields):
         scaler: float32 scalar; the fixed loss scale (default 1.0).
 
     Raises:
-        ValueError: when built from a number with ``scaler <= 0``.
+        ValueError: when built from a concrete value with ``scaler <= 0`` or a
+            non-finite ``scaler``.
     """
 
     __slots__ = ()
 
     def __new__(cls, scaler: Any = 1.0) -> StaticScalerState:
-        _validate("StaticScalerState", "scaler", scaler, lambda v: v > 0, "must be > 0")
+        _validate_scale("StaticScalerState", "scaler", scaler)
         return super().__new__(cls, _as(jnp.float32)(scaler))
 
     def adjust(self, grads_finite: Any) -> StaticScalerState:
@@ -357,6 +337,19 @@ def dynamic_scale_tx(
             f"transformation such as jax.value_and_grad, got "
             f"{type(transform).__name__}."
         )
+    if has_value is None:
+        has_value = _KNOWN_HAS_VALUE.get(transform)
+    return functools.partial(
+        _scaled_transform,
+        transform,
+        _check_redo(redo_on_nan),
+        scale_fn,
+        unscale_fn,
+        has_value,
+    )
+
+
+def _check_redo(redo_on_nan: Any) -> int:
     if (
         isinstance(redo_on_nan, bool)
         or not isinstance(redo_on_nan, (int, np.integer))
@@ -366,93 +359,125 @@ def dynamic_scale_tx(
             f"redo_on_nan must be an int >= 0 (recomputations per call), got "
             f"{redo_on_nan!r}."
         )
-    redo_on_nan = int(redo_on_nan)
-    if has_value is None:
-        has_value = _KNOWN_HAS_VALUE.get(transform)
+    return int(redo_on_nan)
 
-    def scaled_transform(fun: Callable, *t_args: Any, **t_kwargs: Any) -> Callable:
-        if not callable(fun):
-            raise TypeError(
-                f"fun must be the loss function (callable), got "
-                f"{type(fun).__name__}: e.g. "
-                "jaxamp.dynamic_scale_value_and_grad(loss_fn)."
+
+class _Layout(NamedTuple):
+    """Where the loss, the aux and the gradients sit in a transform's
+    results: ``has_value`` None (no aux: every float leaf is linear in the
+    loss), True (``(value, grads)``) or False (``grads``)."""
+
+    has_aux: bool
+    has_value: bool | None
+
+    def grads(self, results: Any) -> Any:
+        if self.has_value is None:
+            return results
+        if self.has_value:
+            return results[1]
+        return results[0] if self.has_aux else results
+
+    def scale(self, out: Any, state: ScalerState) -> Any:
+        if self.has_aux:
+            loss, aux = out
+            return _scale(loss, state.scaler), aux
+        return _scale(out, state.scaler)
+
+    def unscale(self, results: Any, state: ScalerState) -> Any:
+        if self.has_value is None or not self.has_aux:
+            return _unscale(results, state.scaler)
+        if self.has_value:
+            (value, aux), grads = results
+            value, grads = _unscale((value, grads), state.scaler)
+            return (value, aux), grads
+        grads, aux = results
+        return _unscale(grads, state.scaler), aux
+
+
+def _scaled_transform(
+    transform: Callable,
+    redo_on_nan: int,
+    scale_fn: Callable | None,
+    unscale_fn: Callable | None,
+    has_value: bool | None,
+    fun: Callable,
+    *t_args: Any,
+    **t_kwargs: Any,
+) -> Callable:
+    """``dynamic_scale_tx(transform, ...)(fun, *t_args, **t_kwargs)``."""
+    if not callable(fun):
+        raise TypeError(
+            f"fun must be the loss function (callable), got "
+            f"{type(fun).__name__}: e.g. "
+            "jaxamp.dynamic_scale_value_and_grad(loss_fn)."
+        )
+    has_aux = _has_aux(transform, fun, t_args, t_kwargs)
+    if has_aux and has_value is None and unscale_fn is None:
+        raise ValueError(
+            f"dynamic_scale_tx({getattr(transform, '__name__', transform)}): "
+            "with has_aux=True pass has_value=True (the transform returns "
+            "((value, aux), grads)) or has_value=False (it returns "
+            "(grads, aux)), or an unscale_fn."
+        )
+    layout = _Layout(has_aux, has_value)
+    do_scale = scale_fn or layout.scale
+    do_unscale = unscale_fn or layout.unscale
+
+    def scaled_fun(*args, _jaxamp_scaler_state, **kwargs):
+        return do_scale(fun(*args, **kwargs), _jaxamp_scaler_state)
+
+    transformed = transform(scaled_fun, *t_args, **t_kwargs)
+
+    def attempt(state, args, kwargs):
+        results = transformed(*args, _jaxamp_scaler_state=state, **kwargs)
+        results = do_unscale(results, state)
+        return results, all_finite(layout.grads(results))
+
+    return _scaled_call(fun, attempt, redo_on_nan)
+
+
+def _scaled_call(fun: Callable, attempt: Callable, redo_on_nan: int) -> Callable:
+    """``g(*args, dynamic_scaler_state, **kwargs) -> (new_state, results)``:
+    one ``attempt(state, args, kwargs) -> (results, finite)``, recomputed with
+    a shrunk scale up to ``redo_on_nan`` times while not finite."""
+
+    @functools.wraps(fun)
+    def scaled_call(*args, dynamic_scaler_state=None, **kwargs):
+        state = _check_state(args, dynamic_scaler_state)._canonical()
+        results, finite = attempt(state, args, kwargs)
+        if redo_on_nan and isinstance(state, DynamicScalerState):
+            state, results, finite = _redo(
+                attempt, state, results, finite, args, kwargs, redo_on_nan
             )
-        has_aux = _has_aux(transform, fun, t_args, t_kwargs)
-        if has_aux and has_value is None and unscale_fn is None:
-            raise ValueError(
-                f"dynamic_scale_tx({getattr(transform, '__name__', transform)}): "
-                "with has_aux=True pass has_value=True (the transform returns "
-                "((value, aux), grads)) or has_value=False (it returns "
-                "(grads, aux)), or an unscale_fn."
-            )
+        return state.adjust(finite), results
 
-        def grads_of(results):
-            if has_value is None:  # no aux: every float leaf is scaled
-                return results
-            if has_value:
-                return results[1]
-            return results[0] if has_aux else results
+    # Keep fun's name and docstring but not its signature (no __wrapped__):
+    # eqx.filter_jit binds arguments to the signature, which must accept
+    # dynamic_scaler_state.
+    del scaled_call.__wrapped__
+    return scaled_call
 
-        def default_scale(out, state):
-            if has_aux:
-                loss, aux = out
-                return _scale(loss, state.scaler), aux
-            return _scale(out, state.scaler)
 
-        def default_unscale(results, state):
-            if has_value is None or not has_aux:
-                return _unscale(results, state.scaler)
-            if has_value:
-                (value, aux), grads = results
-                return (_unscale(value, state.scaler), aux), _unscale(
-                    grads, state.scaler
-                )
-            grads, aux = results
-            return _unscale(grads, state.scaler), aux
+def _redo(attempt, state, results, finite, args, kwargs, redo_on_nan):
+    """Shrink the scale and recompute inside a ``lax.while_loop`` while the
+    results are not finite, at most ``redo_on_nan`` times, stopping once the
+    scale is at ``min_scaler`` (a retry there would change nothing)."""
+    dynamic, static = eqx.partition(results, eqx.is_array)
 
-        do_scale = scale_fn or default_scale
-        do_unscale = unscale_fn or default_unscale
+    def cond(carry):
+        st, _, fin, i = carry
+        return ~fin & (i < redo_on_nan) & (st.scaler > st.min_scaler)
 
-        def scaled_fun(*args, _jaxamp_scaler_state, **kwargs):
-            return do_scale(fun(*args, **kwargs), _jaxamp_scaler_state)
+    def body(carry):
+        st, _, _, i = carry
+        st = st.adjust(False)
+        res, fin = attempt(st, args, kwargs)
+        return st, eqx.filter(res, eqx.is_array), fin, i + 1
 
-        transformed = transform(scaled_fun, *t_args, **t_kwargs)
-
-        def attempt(state, args, kwargs):
-            results = transformed(*args, _jaxamp_scaler_state=state, **kwargs)
-            results = do_unscale(results, state)
-            return results, all_finite(grads_of(results))
-
-        @functools.wraps(fun)
-        def scaled_call(*args, dynamic_scaler_state=None, **kwargs):
-            state = _check_state(args, dynamic_scaler_state)._canonical()
-            results, finite = attempt(state, args, kwargs)
-            if redo_on_nan and isinstance(state, DynamicScalerState):
-                dynamic, static = eqx.partition(results, eqx.is_array)
-
-                def cond(carry):
-                    st, _, fin, i = carry
-                    return ~fin & (i < redo_on_nan) & (st.scaler > st.min_scaler)
-
-                def body(carry):
-                    st, _, _, i = carry
-                    st = st.adjust(False)
-                    res, fin = attempt(st, args, kwargs)
-                    return st, eqx.filter(res, eqx.is_array), fin, i + 1
-
-                state, dynamic, finite, _ = jax.lax.while_loop(
-                    cond, body, (state, dynamic, finite, jnp.asarray(0, jnp.int32))
-                )
-                results = eqx.combine(dynamic, static)
-            return state.adjust(finite), results
-
-        # Keep fun's name and docstring but not its signature (no __wrapped__):
-        # eqx.filter_jit binds arguments to the signature, which must accept
-        # dynamic_scaler_state.
-        del scaled_call.__wrapped__
-        return scaled_call
-
-    return scaled_transform
+    state, dynamic, finite, _ = jax.lax.while_loop(
+        cond, body, (state, dynamic, finite, jnp.asarray(0, jnp.int32))
+    )
+    return state, eqx.combine(dynamic, static), finite
 
 
 def _check_state(args: tuple, state: Any) -> ScalerState:
