@@ -25,8 +25,9 @@ import jax.numpy as jnp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
-import jaxamp  # noqa: E402
 import train_charlm as charlm  # noqa: E402
+
+import jaxamp  # noqa: E402
 
 
 def _gpt() -> list[tuple[str, object, tuple]]:

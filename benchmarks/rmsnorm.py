@@ -29,7 +29,6 @@ residuals saved for the backward pass, against fp32's.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import shlex
 import sys
@@ -127,25 +126,12 @@ def make_loss(heads: int, emb_scale: float, hand: bool = False, probe: bool = Fa
     return loss
 
 
-@contextlib.contextmanager
 def rms_rule_off():
-    """The release before the ``rms_scaling`` fact: no equation is an RMSNorm
-    scaling, so it follows its input's dtype (an ablation; private names)."""
-    from jaxamp import _facts, _higher_order
+    """``jaxamp.amp`` without the ``rms_scaling`` fact: no equation is an
+    RMSNorm scaling, so it follows its input's dtype (an ablation)."""
+    from jaxamp import _amp
 
-    def clear():
-        _facts._CACHE.clear()
-        _higher_order._REWRITES.clear()
-        jax.clear_caches()
-
-    saved = _facts._rms_operands
-    _facts._rms_operands = lambda eqn, producer: None
-    clear()
-    try:
-        yield
-    finally:
-        _facts._rms_operands = saved
-        clear()
+    return _amp.ablated(facts=["rms_scaling"])
 
 
 def measure(args) -> tuple[list[dict], dict]:
@@ -176,12 +162,11 @@ def measure(args) -> tuple[list[dict], dict]:
         "jaxamp bf16": jaxamp.saved_residual_bytes(amp_loss, params, xe, ye),
         "hand bf16": jaxamp.saved_residual_bytes(hand_loss, params, xe, ye),
     }
-    with rms_rule_off():  # traced now, with the fact off
-        off = jax.jit(jax.value_and_grad(amp_loss))
-        off_grad = off.lower(params, xe, ye).compile()
-        residuals["jaxamp bf16, RMSNorm rule off"] = jaxamp.saved_residual_bytes(
-            amp_loss, params, xe, ye
-        )
+    off_loss = rms_rule_off()(loss, compute_dtype=BF16)
+    off_grad = jax.jit(jax.value_and_grad(off_loss))
+    residuals["jaxamp bf16, RMSNorm rule off"] = jaxamp.saved_residual_bytes(
+        off_loss, params, xe, ye
+    )
     residuals = {k: v / fp32_bytes for k, v in residuals.items()}
     variants = {
         "jaxamp bf16": amp_grad,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import equinox as eqx
@@ -148,6 +148,48 @@ def amp_with(
         return _nnx.call(amp_call, fn, args, kwargs)
 
     return amp_fn
+
+
+def ablated(*, rewrites: Iterable[str] = (), facts: Iterable[str] = ()) -> Callable:
+    """:func:`amp` with pattern rewrites or pattern facts switched off, for
+    ablations (what a rule or a rewrite is worth, measured side by side).
+
+    Args:
+        rewrites: names of pattern rewrites to leave out (``"attention"``,
+            ``"rms_norm"``).
+        facts: pattern facts the analysis does not derive (``"rms_scaling"``:
+            no equation is an RMSNorm scaling).
+
+    Returns:
+        A function with :func:`amp`'s signature.
+
+    Raises:
+        ValueError: for a name that is not a rewrite or a known fact.
+    """
+    rewrites, facts = frozenset(rewrites), frozenset(facts)
+    known = {r.name for r in DEFAULT_PIPELINE.rewrites}
+    if not rewrites <= known or not facts <= {"rms_scaling"}:
+        raise ValueError(
+            f"ablated(rewrites={sorted(rewrites)}, facts={sorted(facts)}): "
+            f"rewrites are {sorted(known)}, facts ['rms_scaling']."
+        )
+    base = DEFAULT_PIPELINE
+    pipeline = Pipeline(
+        base.higher_order,
+        tuple(r for r in base.rewrites if r.name not in rewrites),
+        base.ignore_facts | facts,
+    )
+
+    def amp_ablated(
+        fn: Callable | None = None,
+        *,
+        compute_dtype: Any = jnp.float16,
+        amp_policy: Mapping[Any, Rule] = default_amp_policy,
+        overflow_check: bool | None = None,
+    ) -> Callable:
+        return amp_with(fn, compute_dtype, amp_policy, overflow_check, pipeline)
+
+    return amp_ablated
 
 
 def _amp_call(ctx: AmpContext, check: bool, fn: Callable, args, kwargs) -> Any:

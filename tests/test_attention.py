@@ -18,6 +18,7 @@ from helpers import rel_l2, round_bf16
 
 import jaxamp
 from jaxamp import _attention, _compat
+from jaxamp._attention import _kernels, _match  # noqa: F401 (the modules under test)
 
 BF16 = np.dtype(jnp.bfloat16)
 F32 = np.dtype(jnp.float32)
@@ -206,10 +207,10 @@ def _fake_gpu(monkeypatch):
                 **{k_: kw[k_] for k_ in ("scale", "is_causal")},
             )
         )
-        return _attention._bind_xla(q, k, v, bias, mask, **kw)
+        return _attention._kernels._bind_xla(q, k, v, bias, mask, **kw)
 
     monkeypatch.setattr(_compat, "cudnn_backend", lambda: True)
-    monkeypatch.setattr(_attention, "_bind_cudnn", fake_cudnn)
+    monkeypatch.setattr(_attention._kernels, "_bind_cudnn", fake_cudnn)
     return calls
 
 
@@ -322,7 +323,7 @@ def _groups(fn, *args):
     """The primitive names of each matched group of fn's top-level jaxpr."""
     closed = jax.make_jaxpr(fn)(*args)
     core, _ = _compat.jaxpr_parts(closed)
-    plan = _attention._plan(core)
+    plan = _attention._match.plan(core)
     groups = {id(g): g for g in plan.values()}.values()
     return [[core.eqns[i].primitive.name for i in g.eqns] for g in groups]
 

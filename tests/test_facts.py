@@ -7,8 +7,6 @@ transform's error only. Activations reach the thousands (|x - mean| up to 3e4):
 where float16 squares overflow.
 """
 
-import contextlib
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -18,7 +16,7 @@ import pytest
 from helpers import rel_l2
 
 import jaxamp
-from jaxamp import _facts
+from jaxamp import _amp, _facts, _hoist, _rmsnorm, _state
 
 F32, BF16, F16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)
 
@@ -396,8 +394,8 @@ def test_rms_norm_scaling_float32_readers_bfloat16(name):
 
     w, _, x = _inputs()
 
-    def scalings():
-        closed = jax.make_jaxpr(jaxamp.amp(f, compute_dtype=jnp.bfloat16))(w, x)
+    def scalings(amp=jaxamp.amp):
+        closed = jax.make_jaxpr(amp(f, compute_dtype=jnp.bfloat16))(w, x)
         full = [
             (e.primitive.name, e.outvars[0].aval.dtype)
             for e, _ in jaxamp.iter_equations(closed)
@@ -411,32 +409,11 @@ def test_rms_norm_scaling_float32_readers_bfloat16(name):
     if name in ("x*x", "eqx.nn.RMSNorm"):  # the gain reads the normalised value
         assert full[-1] == ("mul", BF16), full
     # The check can fail: without the fact the scaling follows its bfloat16 input.
-    with _facts_patched("_rms_operands", lambda eqn, producer: None):
-        low = scalings()
+    low = scalings(_amp.ablated(facts=["rms_scaling"]))
     assert [d for _, d in full].count(F32) == [d for _, d in low].count(F32) + 1, (
         full,
         low,
     )
-
-
-@contextlib.contextmanager
-def _facts_patched(name, value):
-    """Replace ``jaxamp._facts.<name>`` for an ablation (yields the
-    ``MonkeyPatch``), with the facts and rewrite caches cleared on entry and
-    exit: no other test sees facts computed under it."""
-    from jaxamp import _higher_order
-
-    def clear():
-        _facts._CACHE.clear()
-        _higher_order._REWRITES.clear()
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_facts, name, value)
-        clear()
-        try:
-            yield mp
-        finally:
-            clear()
 
 
 def _rms_model_inputs(seed=0, d=256):
@@ -485,8 +462,8 @@ def test_rms_norm_gradients_as_accurate_as_hand_written():
         assert rel_l2(amp[0], ref[0]) < 1.1 * hand_err
         assert rel_l2(amp[1], ref[1]) < 1.2 * rel_l2(hand[1], ref[1])
         # The check can fail: without the fact the scaling runs in bfloat16.
-        with _facts_patched("_rms_operands", lambda eqn, producer: None):
-            low = jax.grad(jaxamp.amp(_rms_loss, compute_dtype=BF16))(p, x, t)
+        rule_off = _amp.ablated(facts=["rms_scaling"])
+        low = jax.grad(rule_off(_rms_loss, compute_dtype=BF16))(p, x, t)
     assert rel_l2(low[0], ref[0]) > 1.3 * hand_err
 
 
@@ -527,10 +504,10 @@ def test_rms_norm_saves_its_bfloat16_input_not_a_float32_copy():
 
     w, x = rounded(np.eye(32) * 300, BF16), rounded(np.ones((8, 32)), BF16)
 
-    def copies():
+    def copies(amp=jaxamp.amp):
         from jaxamp import _compat
 
-        amp_f = jaxamp.amp(f, compute_dtype=BF16)
+        amp_f = amp(f, compute_dtype=BF16)
         return sorted(
             a.dtype.name
             for a, src in _compat.saved_residuals(amp_f, w, x)
@@ -540,14 +517,12 @@ def test_rms_norm_saves_its_bfloat16_input_not_a_float32_copy():
     assert copies() == ["bfloat16", "bfloat16"]
     # The check can fail: without the region the scaling saves a float32 copy
     # of h (shared with the square, whose 2 * h is recomputed).
-    with _facts_patched("_mark_rms_regions", lambda *a: None) as mp:
-        assert copies() == ["bfloat16", "float32"]
-        # ... and without the square's own checkpoint its 2 * h is a second one.
-        from jaxamp import _interpreter
-
-        recomputed = _interpreter.contextvars.ContextVar("r", default=True)
-        mp.setattr(_interpreter, "_RECOMPUTED", recomputed)
-        assert copies() == ["bfloat16", "float32", "float32"]
+    no_region = _amp.ablated(rewrites=["rms_norm"])
+    assert copies(no_region) == ["bfloat16", "float32"]
+    # ... and without the square's own checkpoint its 2 * h is a second one
+    # (as if inside a user's jax.checkpoint, where neither applies).
+    with _state.recomputing():
+        assert copies(no_region) == ["bfloat16", "float32", "float32"]
 
 
 def test_rms_norm_region_only_where_its_values_have_no_other_reader():
@@ -563,18 +538,17 @@ def test_rms_norm_region_only_where_its_values_have_no_other_reader():
     closed = jax.make_jaxpr(f)(w, x)
     facts = _facts.analyse(closed.jaxpr, (0, 0)).eqns
     assert [f.rms_scaling for f in facts].count(True) == 1
-    assert not any(f.rms_region or f.rms_member for f in facts)
+    assert _rmsnorm.region_indices(closed.jaxpr, facts) == []
     g = jax.grad(lambda w: jaxamp.amp(f, compute_dtype=BF16)(w, x)[0].sum())(w)
     g_ref = jax.grad(lambda w: f(w, x)[0].sum())(w)
     assert g.dtype == F32 and rel_l2(g, g_ref) < 2e-2
     # Without the second reader the region is found.
     closed = jax.make_jaxpr(lambda w, x: f(w, x)[0])(w, x)
     facts = _facts.analyse(closed.jaxpr, (0,)).eqns
-    (k,) = [j for j, f in enumerate(facts) if f.rms_region]
-    assert facts[k].rms_region[-1] == k
-    assert [j for j, f in enumerate(facts) if f.rms_member] == list(
-        facts[k].rms_region[:-1]
-    )
+    (region,) = _rmsnorm.region_indices(closed.jaxpr, facts)
+    (k,) = [j for j, f in enumerate(facts) if f.rms_scaling]
+    assert region[-1] == k
+    assert list(region[:-1]) == sorted(region[:-1]) and len(region) > 2
 
 
 # --------------------------------------------------------- the loss chain
@@ -782,14 +756,14 @@ def test_narrowed_inputs_sees_through_jit_and_checkpoint():
         )
 
     closed = jax.make_jaxpr(f)(*[_V] * 6)
-    assert _facts.narrowed_inputs(closed) == (_BF16, _BF16, None, None, None, None)
+    assert _hoist.narrowed_inputs(closed) == (_BF16, _BF16, None, None, None, None)
 
 
 def test_narrowed_inputs_ignores_unused_and_non_float_inputs():
     closed = jax.make_jaxpr(
         lambda a, i, w: (i.astype(jnp.int8), w.astype(jnp.float16))
     )(_V, jnp.ones(3, jnp.int32), _V)
-    assert _facts.narrowed_inputs(closed) == (None, None, _F16)
+    assert _hoist.narrowed_inputs(closed) == (None, None, _F16)
 
 
 def test_recomputed_inputs_only_inside_a_checkpoint():
@@ -800,4 +774,4 @@ def test_recomputed_inputs_only_inside_a_checkpoint():
     closed = jax.make_jaxpr(f)(*[_V] * 4)
     # a, b: used inside checkpoints only (also through a jit); c: also outside
     # one; d: unused.
-    assert _facts.recomputed_inputs(closed) == (True, True, False, False)
+    assert _hoist.recomputed_inputs(closed) == (True, True, False, False)

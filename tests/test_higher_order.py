@@ -688,7 +688,7 @@ def test_float16_casts_move_before_the_loop_with_their_overflow_check(monkeypatc
     grads = grad(amp_loss)  # a static loss scale: no float16 underflow
 
     keep = lambda eqn, body, n_consts, n_carry: (None,) * len(eqn.invars)
-    monkeypatch.setattr(_higher_order, "_loop_casts", keep)
+    monkeypatch.setattr(_higher_order, "loop_casts", keep)
     in_loop = jaxamp.amp(_tanh_scanned, compute_dtype=F16)
     assert _xs_dtypes(_scan_eqns(jax.make_jaxpr(in_loop)(STACK, H0))[0]) == [F32] * 3
     grads_in_loop = grad(in_loop)
@@ -834,7 +834,7 @@ def test_casting_before_the_loop_in_other_scan_forms(form, dtype_name, monkeypat
     grads = grad(hoisted)
 
     keep = lambda eqn, body, n_consts, n_carry: (None,) * len(eqn.invars)
-    monkeypatch.setattr(_higher_order, "_loop_casts", keep)
+    monkeypatch.setattr(_higher_order, "loop_casts", keep)
     in_loop = jaxamp.amp(loss, compute_dtype=dtype)
     assert first_scan_xs(in_loop) == [F32, F32, F32]
     grads_in_loop = grad(in_loop)

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import jaxamp
-from jaxamp import _interpreter
-from jaxamp._interpreter import AmpPolicy
+from jaxamp import _residuals
+from jaxamp._amp_policy import AmpPolicy
 
 BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32)
 
@@ -216,7 +216,7 @@ def test_intermediate_inputs_are_cast_and_held_weights_recomputed(monkeypatch):
     # The check can fail: without the early cast of sin(x) the matmul takes the
     # plain path and saves a bfloat16 copy of the weight.
     monkeypatch.setattr(
-        _interpreter, "_narrow_activations", lambda invals, *_: list(invals)
+        _residuals, "_narrow_activations", lambda invals, *_: list(invals)
     )
     saved = residuals(jaxamp.amp(f, compute_dtype=BF16), W, X)
     assert (BF16, W.shape) in [r[:2] for r in saved]

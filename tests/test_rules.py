@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jaxamp
-from jaxamp import _rules
+from jaxamp import _cast
 
 BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32)
 
@@ -154,8 +154,8 @@ def test_default_table_families():
 
 def test_casts_are_deduplicated_within_a_walk():
     x = jnp.ones(3, jnp.float32)
-    with _rules.cast_cache():
-        a = _rules.cast(x, BF16)
-        b = _rules.cast(x, BF16)
+    with _cast.cast_cache():
+        a = _cast.cast(x, BF16)
+        b = _cast.cast(x, BF16)
     assert a is b
-    assert _rules.cast(x, BF16) is not _rules.cast(x, BF16)  # no cache outside
+    assert _cast.cast(x, BF16) is not _cast.cast(x, BF16)  # no cache outside
