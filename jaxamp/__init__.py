@@ -26,6 +26,11 @@ from ._fp8 import fp8_policy as fp8_policy
 from ._fp8 import fp8_rule as fp8_rule
 from ._fp8 import quantize as quantize
 from ._higher_order import register_higher_order as register_higher_order
+from ._mpx import DynamicLossScaling as DynamicLossScaling
+from ._mpx import cast_function as cast_function
+from ._mpx import filter_grad as filter_grad
+from ._mpx import filter_value_and_grad as filter_value_and_grad
+from ._mpx import scaled as scaled
 from ._optax import SkipNonFiniteState as SkipNonFiniteState
 from ._optax import all_finite as all_finite
 from ._optax import optimizer_update as optimizer_update
@@ -35,11 +40,19 @@ from ._policy import Policy as Policy
 from ._policy import cast_to_bfloat16 as cast_to_bfloat16
 from ._policy import cast_to_float16 as cast_to_float16
 from ._policy import cast_to_float32 as cast_to_float32
+from ._policy import cast_to_full as cast_to_full
 from ._policy import cast_to_full_precision as cast_to_full_precision
+from ._policy import cast_to_half as cast_to_half
 from ._policy import cast_to_half_precision as cast_to_half_precision
 from ._policy import cast_tree as cast_tree
 from ._policy import get_policy as get_policy
+from ._policy import half_dtype as half_dtype
+from ._policy import half_precision_datatype as half_precision_datatype
+from ._policy import half_precision_dtype as half_precision_dtype
+from ._policy import set_half_precision_datatype as set_half_precision_datatype
 from ._policy import set_half_precision_dtype as set_half_precision_dtype
+from ._policy_context import current_policy as current_policy
+from ._policy_context import policy_compute_dtype as policy_compute_dtype
 from ._rules import default_amp_policy as default_amp_policy
 from ._rules import follow_compute_precision as follow_compute_precision
 from ._rules import keep_current_precision as keep_current_precision
@@ -55,31 +68,46 @@ from ._scaler import StaticScalerState as StaticScalerState
 from ._scaler import dynamic_scale_grad as dynamic_scale_grad
 from ._scaler import dynamic_scale_tx as dynamic_scale_tx
 from ._scaler import dynamic_scale_value_and_grad as dynamic_scale_value_and_grad
+from ._semantic import DTypeish as DTypeish
+from ._semantic import SemanticDType as SemanticDType
+from ._semantic import cast_floating as cast_floating
+from ._semantic import mixed_precision as mixed_precision
+from ._semantic import resolve_dtype as resolve_dtype
 
 __version__ = "0.1.0"
 
 __all__ = (
     "AttentionRule",
+    "DTypeish",
+    "DynamicLossScaling",
     "DynamicScalerState",
     "Overflow",
     "Policy",
+    "SemanticDType",
     "SkipNonFiniteState",
     "StaticScalerState",
     "all_finite",
     "amp",
     "amp_stop",
     "attention_rule",
+    "cast_floating",
+    "cast_function",
     "cast_to_bfloat16",
     "cast_to_float16",
     "cast_to_float32",
+    "cast_to_full",
     "cast_to_full_precision",
+    "cast_to_half",
     "cast_to_half_precision",
     "cast_tree",
     "count_primitive",
+    "current_policy",
     "default_amp_policy",
     "dynamic_scale_grad",
     "dynamic_scale_tx",
     "dynamic_scale_value_and_grad",
+    "filter_grad",
+    "filter_value_and_grad",
     "find_overflows",
     "follow_compute_precision",
     "force_full_precision",
@@ -88,16 +116,24 @@ __all__ = (
     "fp8_policy",
     "fp8_rule",
     "get_policy",
+    "half_dtype",
+    "half_precision_datatype",
+    "half_precision_dtype",
     "iter_equations",
     "keep_current_precision",
     "low_precision_flop_share",
     "matmul_flops_by_dtype",
+    "mixed_precision",
     "optimizer_update",
+    "policy_compute_dtype",
     "primitive_dtypes",
     "quantize",
     "register_higher_order",
+    "resolve_dtype",
     "saved_residual_bytes",
+    "scaled",
     "select_tree",
+    "set_half_precision_datatype",
     "set_half_precision_dtype",
     "skip_nonfinite_updates",
     "use_compute_precision",

@@ -12,16 +12,35 @@ BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.flo
 
 
 @pytest.mark.parametrize(
-    "spec",
+    "spec, want",
     [
-        "p=f32,c=bf16,o=f32",
-        "params=float32,compute=bfloat16,output=float32",
-        " c=bf16 , p=f32 ",  # order and spaces do not matter; o defaults to f32
+        ("p=f32,c=bf16,o=f32", (F32, BF16, F32)),
+        ("params=float32,compute=bfloat16,output=float32", (F32, BF16, F32)),
+        # Order, case and spaces do not matter; jmp's defaults: params float32,
+        # compute follows params, output follows compute.
+        (" C=bf16 , p=f32 ", (F32, BF16, BF16)),
+        ("c=f16", (F32, F16, F16)),
+        ("p=bf16", (BF16, BF16, BF16)),
+        ("p=f16,o=f32", (F16, F16, F32)),
+        ("o=bf16", (F32, F32, BF16)),
     ],
 )
-def test_policy_parsing(spec):
+def test_policy_parsing(spec, want):
     pol = jaxamp.get_policy(spec)
-    assert (pol.param_dtype, pol.compute_dtype, pol.output_dtype) == (F32, BF16, F32)
+    assert (pol.param_dtype, pol.compute_dtype, pol.output_dtype) == want
+    assert jaxamp.get_policy(str(pol)) == pol
+
+
+def test_policy_str_is_jmps_grammar():
+    assert str(jaxamp.get_policy("p=f32,c=bf16,o=f32")) == "p=full,c=bf16,o=full"
+    assert str(jaxamp.get_policy("p=f64,c=f16,o=e4m3")) == "p=f64,c=f16,o=e4m3"
+    assert repr(jaxamp.get_policy("f32")).startswith("Policy(param_dtype=")
+    pol = jaxamp.get_policy("p=f32,c=bf16,o=f32").with_output_dtype("f16")
+    assert (pol.param_dtype, pol.compute_dtype, pol.output_dtype) == (F32, BF16, F16)
+    with pytest.raises(ValueError, match="output_dtype must be a floating"):
+        pol.with_output_dtype(jnp.int32)
+    with pytest.raises(TypeError, match="Policy spec must be a str"):
+        jaxamp.get_policy(3)
 
 
 def test_policy_single_dtype_and_errors():
@@ -72,8 +91,12 @@ def test_cast_tree_only_touches_float_arrays():
 def test_half_precision_dtype_is_configurable():
     x = {"w": jnp.ones(2)}
     assert jaxamp.cast_to_half_precision(x)["w"].dtype == F16
+    assert jaxamp.half_precision_dtype() == F16
     jaxamp.set_half_precision_dtype(jnp.bfloat16)
     try:
         assert jaxamp.cast_to_half_precision(x)["w"].dtype == BF16
+        assert jaxamp.half_precision_dtype() == BF16
+        assert jaxamp.half_precision_datatype() == BF16
     finally:
         jaxamp.set_half_precision_dtype(jnp.float16)
+    assert jaxamp.half_precision_dtype() == F16

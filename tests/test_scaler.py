@@ -451,3 +451,73 @@ def test_float16_model_trains_only_with_loss_scaling():
     # The one-line switch to no scaling: gradients stay zero, nothing is learnt.
     w, opt_state, _ = train(jaxamp.StaticScalerState(), steps=5)
     assert float(loss(w)) == first and int(opt_state.skipped_steps) == 0
+
+
+def _triple(state):
+    return float(state.scaler), int(state.count), int(state.total_resets)
+
+
+def test_every_adjust_clips_to_the_bounds():
+    """A scale built above max_scaler (2**16 > 65504, float16's largest value)
+    is back within the bound after a finite step that does not grow it, and
+    stays clipped through growth and shrinking."""
+    state = jaxamp.DynamicScalerState(scaler=2.0**16, max_scaler=F16_MAX, patience=2)
+    adjust = jax.jit(lambda s, f: s.adjust(f))
+    steps = [True, True, True, False, True, True, True]
+    got = []
+    for finite in steps:
+        state = adjust(state, jnp.asarray(finite))
+        got.append(_triple(state))
+    assert got == [
+        (F16_MAX, 1, 0),  # no growth, clipped
+        (F16_MAX, 2, 0),
+        (F16_MAX, 0, 0),  # growth to 131008, clipped
+        (F16_MAX / 2, 0, 1),
+        (F16_MAX / 2, 1, 1),
+        (F16_MAX / 2, 2, 1),
+        (F16_MAX, 0, 1),
+    ]
+    # A shrinking step from far above the bound lands on the bound too.
+    high = jaxamp.DynamicScalerState(scaler=2.0**20, max_scaler=2.0**16)
+    assert _triple(high.adjust(False)) == (2.0**16, 0, 1)
+    # Below min_scaler: clipped up on a finite step.
+    low = jaxamp.DynamicScalerState(scaler=2.0**-15, min_scaler=2.0**-14)
+    assert _triple(low.adjust(True)) == (2.0**-14, 1, 0)
+
+
+def test_unbounded_max_keeps_a_finite_scale():
+    # max_scaler=inf means no upper bound; a growth that overflows float32
+    # keeps the scale instead of making it inf (jmp's first_finite).
+    state = jaxamp.DynamicScalerState(scaler=2.0**127, patience=0, max_scaler=np.inf)
+    assert _triple(state.adjust(True)) == (2.0**127, 0, 0)
+    assert _triple(state.adjust(True).adjust(False)) == (2.0**126, 0, 1)
+
+
+def test_non_finite_and_out_of_order_states_are_rejected():
+    bad = [
+        (dict(scaler=np.inf), "scaler=inf must be finite"),
+        (dict(scaler=float("nan")), "scaler=nan must be finite"),
+        (dict(scaler=jnp.asarray(-1.0)), "scaler=-1.0 must be > 0"),
+        (dict(scaler=jnp.asarray(0.0)), r"scaler=0.0 must be > 0; a loss scale"),
+        (dict(min_scaler=np.inf, max_scaler=np.inf), "min_scaler=inf must be"),
+        (dict(max_scaler=np.nan), "max_scaler=nan must be finite"),
+        (dict(adjust_factor=np.inf), r"adjust_factor=inf must be > 1 \(and finite"),
+        (
+            dict(min_scaler=jnp.asarray(8.0), max_scaler=jnp.asarray(4.0)),
+            "min_scaler=8.0 > max_scaler=4.0; the bounds are out of order",
+        ),
+    ]
+    for kwargs, match in bad:
+        with pytest.raises(ValueError, match=match):
+            jaxamp.DynamicScalerState(**kwargs)
+    with pytest.raises(ValueError, match="StaticScalerState: scaler=inf must be"):
+        jaxamp.StaticScalerState(np.inf)
+    with pytest.raises(ValueError, match="grads_finite must be a scalar bool"):
+        jaxamp.DynamicScalerState().adjust(jnp.ones(2, bool))
+    # Concrete JAX arrays are validated and stored as float32 / int32.
+    state = jaxamp.DynamicScalerState(
+        scaler=jnp.asarray(8, jnp.int32), patience=jnp.asarray(3.0)
+    )
+    assert state.scaler.dtype == jnp.float32 and float(state.scaler) == 8.0
+    assert state.patience.dtype == jnp.int32 and int(state.patience) == 3
+    assert float(jaxamp.DynamicScalerState(max_scaler=np.inf).max_scaler) == np.inf
