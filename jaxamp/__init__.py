@@ -53,6 +53,19 @@ from ._policy import set_half_precision_datatype as set_half_precision_datatype
 from ._policy import set_half_precision_dtype as set_half_precision_dtype
 from ._policy_context import current_policy as current_policy
 from ._policy_context import policy_compute_dtype as policy_compute_dtype
+from ._quant import int8_amp_policy as int8_amp_policy
+from ._quant import int8_dot_general as int8_dot_general
+from ._quant import int8_policy as int8_policy
+from ._quant import int8_quantize as int8_quantize
+from ._quant import int8_rule as int8_rule
+from ._quant_common import min_matmul_size as min_matmul_size
+from ._quant_common import torchao_rowwise_size_rule as torchao_rowwise_size_rule
+from ._quant_common import (
+    torchao_tensorwise_size_rule as torchao_tensorwise_size_rule,
+)
+from ._quant_report import MatmulRecord as MatmulRecord
+from ._quant_report import eight_bit_flop_share as eight_bit_flop_share
+from ._quant_report import quantization_report as quantization_report
 from ._rules import default_amp_policy as default_amp_policy
 from ._rules import follow_compute_precision as follow_compute_precision
 from ._rules import keep_current_precision as keep_current_precision
@@ -81,6 +94,7 @@ __all__ = (
     "DTypeish",
     "DynamicLossScaling",
     "DynamicScalerState",
+    "MatmulRecord",
     "Overflow",
     "Policy",
     "SemanticDType",
@@ -106,6 +120,7 @@ __all__ = (
     "dynamic_scale_grad",
     "dynamic_scale_tx",
     "dynamic_scale_value_and_grad",
+    "eight_bit_flop_share",
     "filter_grad",
     "filter_value_and_grad",
     "find_overflows",
@@ -119,14 +134,21 @@ __all__ = (
     "half_dtype",
     "half_precision_datatype",
     "half_precision_dtype",
+    "int8_amp_policy",
+    "int8_dot_general",
+    "int8_policy",
+    "int8_quantize",
+    "int8_rule",
     "iter_equations",
     "keep_current_precision",
     "low_precision_flop_share",
     "matmul_flops_by_dtype",
+    "min_matmul_size",
     "mixed_precision",
     "optimizer_update",
     "policy_compute_dtype",
     "primitive_dtypes",
+    "quantization_report",
     "quantize",
     "register_higher_order",
     "resolve_dtype",
@@ -136,6 +158,8 @@ __all__ = (
     "set_half_precision_datatype",
     "set_half_precision_dtype",
     "skip_nonfinite_updates",
+    "torchao_rowwise_size_rule",
+    "torchao_tensorwise_size_rule",
     "use_compute_precision",
     "use_full_precision",
     "use_lower_precision",

@@ -45,7 +45,15 @@ import numpy as np
 
 from . import _compat
 from ._dtypes import is_float
-from ._rules import default_amp_policy, use_compute_precision
+from ._quant_common import (
+    FP8_SCOPE,
+    Dims,
+    check_size_rule,
+    compute_dtype_dot,
+    scoped_policy,
+    torchao_tensorwise_size_rule,
+)
+from ._rules import use_compute_precision
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
@@ -185,21 +193,36 @@ def _fp8_bwd(dimension_numbers, out_dtype, margin, power_of_two, res, g):
 fp8_dot_general.defvjp(_fp8_fwd, _fp8_bwd)
 
 
-def fp8_rule(margin: int = 0, out_dtype: Any = None, power_of_two: bool = False):
+def fp8_rule(
+    margin: int = 0,
+    out_dtype: Any = None,
+    power_of_two: bool = False,
+    *,
+    size_rule: Any = torchao_tensorwise_size_rule,
+):
     """An amp *implementation rule* for ``dot_general`` that runs it in FP8.
 
     Implementation rules (attribute ``amp_impl = True``) have the rule
     signature but return the equation's outputs instead of
     ``(invars, bind_params)``; the interpreter uses them as they are. This one
-    binds :func:`fp8_dot_general` for products of two floats. Integer
-    products fall back to the compute-dtype rule; products that already have
-    an 8-bit float operand (the user quantized them) are bound unchanged.
+    binds :func:`fp8_dot_general` for products of two floats that pass
+    ``size_rule``; smaller products run in the compute dtype as under the
+    default policy (the quantization passes would cost more than the 8-bit
+    product saves). Integer products fall back to the compute-dtype rule;
+    products that already have an 8-bit operand (the user quantized them) are
+    bound unchanged.
 
     Args:
         margin: power-of-two headroom of the scales (Transformer Engine's
             ``margin``, default 0).
         out_dtype: result dtype; None for the amp compute dtype.
         power_of_two: round the scales down to powers of two.
+        size_rule: ``(m, k, n) -> bool`` on the forward product's per-batch
+            rows, contraction and columns: True to run it in FP8. Default
+            :func:`jaxamp.torchao_tensorwise_size_rule` (torchao's H100
+            crossover for per-tensor scales: skip ``K <= 4096 and
+            N <= 1024``); None runs every matmul in FP8;
+            :class:`jaxamp.min_matmul_size` builds thresholds.
 
     Returns:
         The rule, to put under the ``"dot_general"`` key of a policy (or use
@@ -212,13 +235,16 @@ def fp8_rule(margin: int = 0, out_dtype: Any = None, power_of_two: bool = False)
                 compute_dtype, original_dtypes, lhs, rhs, **params
             )
             return jax.lax.dot_general_p.bind(*new_in, **new_params)
-        if _is_fp8(lhs.dtype) or _is_fp8(rhs.dtype):
+        if np.dtype(lhs.dtype).itemsize == 1 or np.dtype(rhs.dtype).itemsize == 1:
             return jax.lax.dot_general_p.bind(lhs, rhs, **params)
+        dn = params["dimension_numbers"]
+        if not size_rule(*Dims.of(dn, lhs.ndim, rhs.ndim).mkn(lhs.shape, rhs.shape)):
+            return compute_dtype_dot(compute_dtype, lhs, rhs, params)
         dtype = np.dtype(compute_dtype if out_dtype is None else out_dtype)
-        return fp8_dot_general(
-            lhs, rhs, params["dimension_numbers"], dtype, margin, power_of_two
-        )
+        with jax.named_scope(FP8_SCOPE):
+            return fp8_dot_general(lhs, rhs, dn, dtype, margin, power_of_two)
 
+    size_rule = check_size_rule(size_rule, "fp8_rule")
     rule.amp_impl = True
     rule.__name__ = f"fp8_rule(margin={margin}, power_of_two={power_of_two})"
     return rule
@@ -230,6 +256,7 @@ def fp8_policy(
     *,
     margin: int = 0,
     power_of_two: bool = False,
+    size_rule: Any = torchao_tensorwise_size_rule,
     base: Mapping[Any, Any] | None = None,
 ) -> dict[Any, Any]:
     """An amp policy with FP8 matmuls everywhere or only inside named scopes.
@@ -246,6 +273,7 @@ def fp8_policy(
         fp8_policy()                                  # == jaxamp.fp8_amp_policy
         fp8_policy(exclude_scopes=("embed", "head"))  # all but first/last layer
         fp8_policy(scopes=("mlp",))                   # only the MLPs
+        fp8_policy(size_rule=None)                    # small matmuls too
         # expands to {**default_amp_policy,
         #             "mlp": {**default_amp_policy, "dot_general": fp8_rule()}}
 
@@ -259,6 +287,8 @@ def fp8_policy(
         exclude_scopes: scope names whose matmuls keep the ``base`` rule.
         margin: passed to :func:`fp8_rule`.
         power_of_two: passed to :func:`fp8_rule`.
+        size_rule: passed to :func:`fp8_rule`: which matmuls are large
+            enough to pay for FP8 (default torchao's tensorwise filter).
         base: the policy for everything else; default
             ``jaxamp.default_amp_policy``.
 
@@ -270,24 +300,14 @@ def fp8_policy(
         TypeError: if ``scopes`` or ``exclude_scopes`` is a single string
             rather than a collection of names.
     """
-    for name, arg in (("scopes", scopes), ("exclude_scopes", exclude_scopes)):
-        if isinstance(arg, str):
-            raise TypeError(
-                f"fp8_policy({name}=...) takes a collection of scope names, got "
-                f"the string {arg!r}; write ({arg!r},)."
-            )
-    base = dict(default_amp_policy if base is None else base)
-    excluded = {s: base for s in exclude_scopes}
-    fp8 = {**base, "dot_general": fp8_rule(margin, None, power_of_two), **excluded}
-    if scopes is None:
-        return fp8
-    return {**base, **{s: fp8 for s in scopes}, **excluded}
+    rule = fp8_rule(margin, None, power_of_two, size_rule=size_rule)
+    return scoped_policy("fp8_policy", rule, scopes, exclude_scopes, base)
 
 
 fp8_amp_policy: dict[Any, Any] = fp8_policy()
-"""The default policy with every float ``dot_general`` in FP8 (use a
-``jnp.bfloat16`` compute dtype); :func:`fp8_policy` builds per-scope and
-tuned variants. Equivalent nested forms:
+"""The default policy with every float ``dot_general`` that passes torchao's
+tensorwise size rule in FP8 (use a ``jnp.bfloat16`` compute dtype);
+:func:`fp8_policy` builds per-scope and tuned variants. Equivalent nested forms:
 ``{**default_amp_policy, "mlp": fp8_amp_policy}`` (FP8 only inside ``mlp``
 scopes), ``{**fp8_amp_policy, "head": default_amp_policy}`` (all but the
 ``head`` scope)."""

@@ -27,6 +27,8 @@ F32, BF16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16)
 DN = (((1,), (0,)), ((), ()))  # x @ w
 U = {E4M3: 2.0**-4, E5M2: 2.0**-3}  # unit roundoff: 3 and 2 mantissa bits
 HALF_SUBNORMAL = {E4M3: 2.0**-10, E5M2: 2.0**-17}  # half the subnormal spacing
+# The test models are small: without a size rule every matmul runs in FP8.
+FP8_ALL = jaxamp.fp8_policy(size_rule=None)
 
 
 def matmul_error_bound(a, b, fmt_a=E4M3, fmt_b=E4M3, scale_a=None, scale_b=None):
@@ -253,7 +255,7 @@ def _dot_dtypes(closed):
 
 
 def test_forward_and_backward_dots_take_float8_operands():
-    f = jaxamp.amp(_model, compute_dtype=BF16, amp_policy=jaxamp.fp8_amp_policy)
+    f = jaxamp.amp(_model, compute_dtype=BF16, amp_policy=FP8_ALL)
     dots, nested = _dot_dtypes(jax.make_jaxpr(jax.grad(f))(WS, X))
     assert len(dots) == 2 + 2 * 2  # forward, and two gradient products per matmul
     assert nested == len(dots)  # all inside scan / jit / custom_vjp bodies
@@ -264,7 +266,7 @@ def test_forward_and_backward_dots_take_float8_operands():
 
 
 def test_fp8_gradients_close_to_float32():
-    f = jaxamp.amp(_model, compute_dtype=BF16, amp_policy=jaxamp.fp8_amp_policy)
+    f = jaxamp.amp(_model, compute_dtype=BF16, amp_policy=FP8_ALL)
     (v, g), (v_ref, g_ref) = (
         jax.jit(jax.value_and_grad(f))(WS, X),
         jax.jit(jax.value_and_grad(_model))(WS, X),
@@ -282,10 +284,10 @@ def _dots(f):
 
 
 def test_per_scope_selection_with_nested_policies():
-    only_mlp = {**jaxamp.default_amp_policy, "mlp": jaxamp.fp8_amp_policy}
+    only_mlp = {**jaxamp.default_amp_policy, "mlp": FP8_ALL}
     f = jaxamp.amp(_model, compute_dtype=BF16, amp_policy=only_mlp)
     assert _dots(f) == [(BF16, BF16), (E4M3, E4M3)]
-    all_but_mlp = {**jaxamp.fp8_amp_policy, "mlp": jaxamp.default_amp_policy}
+    all_but_mlp = {**FP8_ALL, "mlp": jaxamp.default_amp_policy}
     f = jaxamp.amp(_model, compute_dtype=BF16, amp_policy=all_but_mlp)
     assert _dots(f) == [(E4M3, E4M3), (BF16, BF16)]
 
@@ -320,7 +322,7 @@ def _scoped_model(ws, x):
     ],
 )
 def test_fp8_policy_scopes(kwargs, expected):
-    policy = jaxamp.fp8_policy(**kwargs)
+    policy = jaxamp.fp8_policy(**kwargs, size_rule=None)
     f = jaxamp.amp(_scoped_model, compute_dtype=BF16, amp_policy=policy)
     names = {(E4M3, E4M3): "fp8", (BF16, BF16): "bf16"}
     assert [names[d] for d in _dots(f)] == expected
@@ -355,7 +357,7 @@ def test_fp8_policy_equals_the_preset():
 def test_integer_matmul_is_not_quantized():
     f = lambda a, b: a @ b
     i = jnp.arange(6, dtype=jnp.int32).reshape(2, 3)
-    out = jaxamp.amp(f, compute_dtype=BF16, amp_policy=jaxamp.fp8_amp_policy)(i, i.T)
+    out = jaxamp.amp(f, compute_dtype=BF16, amp_policy=FP8_ALL)(i, i.T)
     np.testing.assert_array_equal(out, i @ i.T)
 
 
@@ -366,7 +368,7 @@ def test_user_quantized_operands_are_bound_unchanged():
 
     x = jax.random.normal(jax.random.key(20), (4, 8))
     w = jax.random.normal(jax.random.key(21), (8, 3))
-    g = jaxamp.amp(f, compute_dtype=BF16, amp_policy=jaxamp.fp8_amp_policy)
+    g = jaxamp.amp(f, compute_dtype=BF16, amp_policy=FP8_ALL)
     table = jaxamp.primitive_dtypes(jax.make_jaxpr(g)(x, w))
     assert [(i, o) for n, i, o in table if n == "dot_general"] == [
         ((E4M3, E5M2), (F32,))
@@ -376,7 +378,7 @@ def test_user_quantized_operands_are_bound_unchanged():
 
 @pytest.mark.parametrize("margin, power_of_two", [(0, False), (2, False), (1, True)])
 def test_fp8_rule_options(margin, power_of_two):
-    rule = jaxamp.fp8_rule(margin=margin, power_of_two=power_of_two)
+    rule = jaxamp.fp8_rule(margin=margin, power_of_two=power_of_two, size_rule=None)
     assert rule.amp_impl
     x = jax.random.normal(jax.random.key(8), (4, 8))
     w = jax.random.normal(jax.random.key(22), (8, 5))
@@ -389,3 +391,51 @@ def test_fp8_rule_options(margin, power_of_two):
     bound = matmul_error_bound(x, w, scale_a=sx, scale_b=sw)
     assert np.all(np.abs(f64(out) - f64(x) @ f64(w)) <= bound)
     assert rule(BF16, [F32, F32], x, w, **params).dtype == BF16
+
+
+def test_default_size_rule_keeps_small_matmuls_in_the_compute_dtype():
+    # torchao's tensorwise filter: skip K <= 4096 and N <= 1024.
+    def f(x, w_small, w_wide):
+        return jnp.sum(x @ w_small) + jnp.sum(x @ w_wide)
+
+    x = jnp.ones((8, 64))
+    args = (x, jnp.ones((64, 16)), jnp.ones((64, 1040)))
+    g = jaxamp.amp(f, compute_dtype=BF16, amp_policy=jaxamp.fp8_amp_policy)
+    assert _dots_of(g, *args) == [(BF16, BF16), (E4M3, E4M3)]
+    report = jaxamp.quantization_report(g, *args)
+    assert [(r.shape, r.format, r.reason) for r in report] == [
+        ((1, 8, 64, 16), "bfloat16", "below the size rule"),
+        ((1, 8, 64, 1040), "fp8", ""),
+    ]
+    small = jaxamp.fp8_policy(size_rule=jaxamp.min_matmul_size(n=17))
+    g = jaxamp.amp(f, compute_dtype=BF16, amp_policy=small)
+    assert _dots_of(g, *args) == [(BF16, BF16), (E4M3, E4M3)]
+    g = jaxamp.amp(f, compute_dtype=BF16, amp_policy=FP8_ALL)
+    assert _dots_of(g, *args) == [(E4M3, E4M3), (E4M3, E4M3)]
+    with pytest.raises(TypeError, match="size_rule"):
+        jaxamp.fp8_policy(size_rule=1024)
+
+
+def _dots_of(f, *args):
+    table = jaxamp.primitive_dtypes(jax.make_jaxpr(f)(*args))
+    return [ins for n, ins, _ in table if n == "dot_general"]
+
+
+def test_fp8_residuals_are_the_float8_operands():
+    # The backward pass saves the E4M3 operands (1 byte per element) and their
+    # scalar scales: the activation's residual is half its bf16 copy; the
+    # weight costs its E4M3 copy, which the bf16 policy avoids by re-casting
+    # the float32 argument, so activations must outweigh weights to gain.
+    x = jax.random.normal(jax.random.key(30), (1024, 128))
+    w = jax.random.normal(jax.random.key(31), (128, 128))
+
+    def loss(x, w):
+        return jnp.sum(jnp.tanh(x) @ w)
+
+    res8 = jaxamp.saved_residual_bytes(
+        jaxamp.amp(loss, compute_dtype=BF16, amp_policy=FP8_ALL), x, w
+    )
+    res16 = jaxamp.saved_residual_bytes(jaxamp.amp(loss, compute_dtype=BF16), x, w)
+    # bf16 activation copy (2 bytes) -> E4M3 (1 byte), plus the E4M3 weight
+    # and two float32 scales.
+    assert res8 == res16 - 1024 * 128 + 128 * 128 + 8
