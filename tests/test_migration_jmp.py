@@ -243,7 +243,7 @@ def test_dynamic_loss_scale_adjust_reduce_on_non_finite(period, factor, min_loss
         adjust_factor=factor,
         min_scaler=min_loss_scale,
     )
-    assert init / (factor**100) < 1, "should cover max(min, S)"
+    assert float(init) / factor**100 < 1, "should cover max(min, S)"
     for i in range(100):
         loss_scale = _adjust(loss_scale, jnp.bool_(False))
         np.testing.assert_allclose(
