@@ -49,9 +49,15 @@ def test_user_guide_code_runs():
     would paste them into one session (needs flax for the NNX section)."""
     blocks = _python_blocks(GUIDE.read_text())
     assert len(blocks) > 10
+    import jax
+
     namespace: dict = {"__name__": "guide"}
-    for i, block in enumerate(blocks):
-        try:
-            exec(compile(block, f"docs/guide.md[block {i}]", "exec"), namespace)
-        except Exception as e:
-            raise AssertionError(f"docs/guide.md block {i} failed:\n{block}") from e
+    # A reader runs JAX's default promotion (optax's updates need it), not the
+    # strict promotion conftest.py sets for the library's own tests.
+    with jax.numpy_dtype_promotion("standard"):
+        for i, block in enumerate(blocks):
+            try:
+                exec(compile(block, f"docs/guide.md[block {i}]", "exec"), namespace)
+            except Exception as e:
+                msg = f"docs/guide.md block {i} failed:\n{block}"
+                raise AssertionError(msg) from e
