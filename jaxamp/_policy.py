@@ -227,7 +227,18 @@ class Policy:
 
     @classmethod
     def from_string(cls, spec: str) -> Policy:
-        """Parse a policy string in jmp's grammar (see :func:`get_policy`)."""
+        """Parse a policy string in jmp's grammar (see :func:`get_policy`).
+
+        Args:
+            spec: e.g. ``"p=f32,c=bf16,o=f32"``, ``"c=bf16"`` or ``"bf16"``.
+
+        Returns:
+            The :class:`Policy`.
+
+        Raises:
+            ValueError: on an unknown key or dtype name, naming it.
+            TypeError: if ``spec`` is not a str.
+        """
         if not isinstance(spec, str):
             raise TypeError(
                 f"Policy spec must be a str such as 'p=f32,c=bf16,o=f32', got "
