@@ -1,7 +1,9 @@
 """Tests of Flax NNX graph nodes as amp arguments (jaxamp/_nnx.py): every
 Variable update the function makes reaches the caller's objects, in the
-Variable's own dtype, eagerly and under NNX's transforms."""
+Variable's own dtype, eagerly and under NNX's transforms; and NNX's functional
+API (States through jax.jit / jax.value_and_grad) runs as it does without amp."""
 
+import functools
 import subprocess
 import sys
 
@@ -15,6 +17,7 @@ from helpers import assert_tree_allclose, rel_l2, round_bf16, tree_dtypes
 import jaxamp
 
 nnx = pytest.importorskip("flax.nnx")
+flax_errors = pytest.importorskip("flax.errors")
 
 BF16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 
@@ -267,3 +270,105 @@ def test_variables_created_by_the_call_reach_the_caller():
     ref(X)
     assert model.hidden[...].dtype == F32
     np.testing.assert_allclose(model.hidden[...], ref.hidden[...], atol=2e-2)
+
+
+# The functional API (Flax's "Flax NNX vs JAX transformations" guide): split the
+# model, pass the States through jax.jit / jax.value_and_grad, merge inside the
+# loss and return the new non-Param state. States are values to amp (_nnx.py).
+
+
+@functools.cache
+def _functional_setup(kind):
+    """Model states, loss and batch with activations in the hundreds (inputs
+    and parameters pre-rounded to bfloat16, so amp sees what float32 sees);
+    built once per kind, for the float32 run and the amp run alike."""
+    make, model_loss, batch = _data(kind)
+    model = make()
+    if kind == "transformer":
+        # Embeddings of standard deviation ~100 (0.25 at init): the residual
+        # stream, LayerNorm's input, is in the hundreds.
+        model.embed.embedding[...] = 400.0 * model.embed.embedding[...]
+    else:
+        x, y = batch
+        batch = (round_bf16(100.0 * x), y)  # convolution outputs in the hundreds
+    nnx.update(model, round_bf16(nnx.state(model, nnx.Param)))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(params, rest, batch):
+        # copy=True: rest's Variables belong to jax.jit's trace, and a dropout
+        # layer or BatchNorm in train mode updates them inside value_and_grad's.
+        model = nnx.merge(graphdef, params, rest, copy=True)
+        return model_loss(model, batch), nnx.state(model, nnx.Not(nnx.Param))
+
+    return loss, params, rest, batch
+
+
+def _functional_run(kind, use_amp, steps=3):
+    loss, params, rest, batch = _functional_setup(kind)
+    if use_amp:
+        loss = jaxamp.amp(loss, compute_dtype=BF16)
+    step = jax.jit(jax.value_and_grad(loss, has_aux=True))
+    values, first_grads = [], None
+    for _ in range(steps):
+        (value, rest), grads = step(params, rest, batch)
+        first_grads = grads if first_grads is None else first_grads
+        values.append(float(value))
+        # Parameters fixed: every step differentiates the same model, and only
+        # the non-Param state (RNG counters, batch statistics) moves.
+    return np.asarray(values), rest, first_grads
+
+
+# Gradient tolerances (relative L2 against float32; measured 1.05% and 0.24%):
+# bfloat16 keeps 8 significant bits (rounding error 2**-9, 0.2%) and the error
+# grows with depth: two attention blocks, one convolution.
+@pytest.mark.parametrize(
+    "kind, grad_tol", [("transformer", 2.5e-2), ("conv_batchnorm", 1e-2)]
+)
+def test_functional_api_under_jit_and_value_and_grad(kind, grad_tol):
+    ref_values, ref_rest, ref_grads = _functional_run(kind, use_amp=False)
+    values, rest, grads = _functional_run(kind, use_amp=True)
+    assert set(tree_dtypes(grads)) == {F32}
+    dtypes = lambda tree: [x.dtype for x in jax.tree.leaves(tree)]  # noqa: E731
+    assert dtypes(rest) == dtypes(ref_rest)  # RNG keys, uint32 counters, float32
+    np.testing.assert_allclose(values, ref_values, rtol=2e-2)
+    # Gradients of the same parameters and batch as float32's, within grad_tol.
+    assert rel_l2(grads, ref_grads) < grad_tol
+    counts = jax.tree.leaves(nnx.state(rest, nnx.RngCount))
+    assert counts == jax.tree.leaves(nnx.state(ref_rest, nnx.RngCount))
+    if kind == "transformer":
+        # Four dropout layers, one key each per step: the same masks as float32.
+        assert sorted(int(c) for c in counts if c) == [3] * 4
+    else:
+        stats = nnx.state(rest, nnx.BatchStat)
+        ref_stats = nnx.state(ref_rest, nnx.BatchStat)
+        for name in ("mean", "var"):
+            got = jax.tree.leaves(stats["bn"][name])
+            ref = jax.tree.leaves(ref_stats["bn"][name])
+            assert rel_l2(got, ref) < 1e-2, name
+
+
+def _read_only_loss(model, x):
+    """Reads the model's Variables and changes none of them."""
+    return jnp.square(model.lin(x)).mean()
+
+
+def test_outer_trace_variables_in_a_module_argument_are_read_only():
+    model = Tally(nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(params, fn):
+        # rest's Variables belong to the caller's trace, not to grad's: the
+        # merged module mixes them with grad's parameters.
+        merged = nnx.merge(graphdef, params, rest)
+        return fn(merged, X)
+
+    ref = jax.grad(loss)(params, _read_only_loss)
+    grads = jax.grad(loss)(params, jaxamp.amp(_read_only_loss, compute_dtype=BF16))
+    assert rel_l2(grads, ref) < 2e-2
+    assert int(rest["calls"][...]) == 0
+    # A change to such a Variable (Tally counts its calls) fails as it does
+    # without amp.
+    with pytest.raises(flax_errors.TraceContextError):
+        jax.grad(loss)(params, _loss_grad)
+    with pytest.raises(flax_errors.TraceContextError, match="Counter"):
+        jax.grad(loss)(params, jaxamp.amp(_loss_grad, compute_dtype=BF16))
