@@ -16,7 +16,12 @@ AdamW with linear warmup + cosine decay and global-norm gradient clipping.
 
 Modes (one table entry each): ``fp32`` (no amp), ``bf16`` (``jaxamp.amp``, no
 loss scaling), ``fp16`` (``jaxamp.amp`` + dynamic loss scaling + skipped
-non-finite steps), ``fp8`` (FP8 matmuls, when jaxamp provides an FP8 policy).
+non-finite steps), ``fp8`` (FP8 matmuls) and ``int8`` (int8 training: int8
+forward and dgrad, bfloat16 wgrad). The 8-bit policies' default size rules
+(torchao's GPU crossovers) would keep every matmul of this small model in
+bfloat16, so the ``fp8`` and ``int8`` modes quantize every matmul
+(``size_rule=None``); the table's "8-bit matmul FLOPs" column says which share
+of the step's matmul FLOPs ran in 8 bits.
 """
 
 from __future__ import annotations
@@ -285,7 +290,15 @@ def loss_fn(params: dict, x: jax.Array, y: jax.Array, heads: int) -> jax.Array:
 
 
 def _fp8_policy():
-    return getattr(jaxamp, "fp8_amp_policy", None)
+    # Every matmul in FP8: the default size rule (torchao's H100 crossover,
+    # K > 4096 or N > 1024) would skip all of this small model's matmuls.
+    return jaxamp.fp8_policy(size_rule=None)
+
+
+def _int8_policy():
+    # Every matmul in int8 (same reason); otherwise jaxamp's default recipe:
+    # rowwise scales, int8 forward and dgrad with stochastic rounding, bf16 wgrad.
+    return jaxamp.int8_policy(size_rule=None)
 
 
 def _fp16_policy():
@@ -300,6 +313,7 @@ MODES: dict[str, dict[str, Any]] = {
     "bf16": {"compute": jnp.bfloat16, "scaler": None},
     "fp16": {"compute": jnp.float16, "scaler": "dynamic", "policy": _fp16_policy},
     "fp8": {"compute": jnp.bfloat16, "scaler": None, "policy": _fp8_policy},
+    "int8": {"compute": jnp.bfloat16, "scaler": None, "policy": _int8_policy},
 }
 ALL_MODES = ["fp32", "bf16", "fp16"]  # what --mode all trains, in this order
 
@@ -325,10 +339,7 @@ def _amp_for(mode: str, fn: Callable) -> Callable:
         return fn
     kw = {}
     if "policy" in spec:
-        policy = spec["policy"]()
-        if policy is None:
-            raise SystemExit(f"mode {mode}: this jaxamp has no FP8 policy")
-        kw["amp_policy"] = policy
+        kw["amp_policy"] = spec["policy"]()
     return jaxamp.amp(fn, compute_dtype=spec["compute"], **kw)
 
 
@@ -417,7 +428,7 @@ def train(
             if i >= 2:  # steady state: steps after the compile and warm-up steps
                 rate = (i - 1) * tokens_per_step / (time.perf_counter() - t_steady)
                 postfix["tok_s"] = f"{rate:.0f}"
-            bar.set_postfix(postfix)
+            bar.set_postfix(postfix, refresh=False)
             bar.update()
     if bar is not None:
         bar.close()
@@ -444,6 +455,7 @@ def train(
         "forward_overflows": int(sum(not math.isfinite(v) for v in losses)),
         "final_loss_scale": float(scaler.scaler),
         "low_precision_flop_share": jaxamp.low_precision_flop_share(grad_jaxpr),
+        "eight_bit_flop_share": jaxamp.eight_bit_flop_share(grad_jaxpr),
         "residual_bytes": jaxamp.saved_residual_bytes(loss, params, x0, y0),
         "sample": sample(loss_forward(mode, cfg), params, val_data, cfg),
         "wall_s": time.perf_counter() - t_start,
@@ -495,7 +507,12 @@ def _progress(total: int, mode: str, enabled: bool):
         return None
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=f"{mode:>4}", unit="step", leave=True)
+    # Redrawn at most once a second when the output is a log file, not a
+    # terminal (every redraw is a line there).
+    interval = 0.1 if sys.stdout.isatty() else 1.0
+    return tqdm(
+        total=total, desc=f"{mode:>4}", unit="step", leave=True, mininterval=interval
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -515,9 +532,9 @@ def table(results: list[dict], fp32_residual: int | None) -> str:
     head = (
         "| mode | train loss | val loss | val bits/char | tokens/s | skipped steps "
         "| forward overflows | final loss scale | low-precision matmul FLOPs "
-        "| residual bytes vs fp32 |"
+        "| 8-bit matmul FLOPs | residual bytes vs fp32 |"
     )
-    rows = [head, "|" + "---|" * 10]
+    rows = [head, "|" + "---|" * 11]
     for r in results:
         ratio = r["residual_bytes"] / fp32_residual if fp32_residual else float("nan")
         tps = f"{r['tokens_per_s']:.0f}" if r["tokens_per_s"] else "-"
@@ -526,6 +543,7 @@ def table(results: list[dict], fp32_residual: int | None) -> str:
             f"| {r['val_bits_per_char']:.3f} | {tps} | {r['skipped_steps']} "
             f"| {r.get('forward_overflows', 0)} | {r['final_loss_scale']:g} "
             f"| {r['low_precision_flop_share']:.2f} "
+            f"| {r.get('eight_bit_flop_share', 0.0):.2f} "
             f"| {ratio:.2f}x |"
         )
     return "\n".join(rows)

@@ -221,7 +221,9 @@ def _fwd(lhs, rhs, seed, dimension_numbers, out_dtype, recipe):
         lq, rq = lhs.astype(out_dtype), rhs.astype(out_dtype)
         linv = jnp.ones((1,) * lhs.ndim, F32)
         rinv = jnp.ones((1,) * rhs.ndim, F32)
-        out = jax.lax.dot_general(lq, rq, dimension_numbers, preferred_element_type=F32)
+        out = jax.lax.dot_general(
+            lq, rq, dimension_numbers, preferred_element_type=out_dtype
+        )
     # Empty arrays carry the operand dtypes (residuals must be arrays).
     types = (jnp.zeros(0, lhs.dtype), jnp.zeros(0, rhs.dtype))
     return out.astype(out_dtype), (lq, linv, rq, rinv, seed, *types)
@@ -238,7 +240,9 @@ def _grad_product(g, other, product, d, recipe, quantized, seed, cd):
         else (lambda a, b, t: wgrad(b, a, d, t, recipe.transpose_wgrad))
     )
     if not quantized:
-        return call(g.astype(cd), other.astype(cd), F32)
+        # Output in the compute dtype, as the default rule emits it: XLA:CPU
+        # rejects bf16 x bf16 -> f32 dots inside loops (DotThunk).
+        return call(g.astype(cd), other.astype(cd), cd)
     if other.dtype != I8:  # forward not quantized: per-tensor weight scale
         other, s_other = int8_quantize(other)
         g = g * (np.float32(1) / s_other.reshape(()))
