@@ -9,7 +9,6 @@ integration complete the training story.
 
 from ._amp import amp as amp
 from ._amp import amp_stop as amp_stop
-from ._amp import force_full_precision as force_full_precision
 from ._analysis import count_primitive as count_primitive
 from ._analysis import iter_equations as iter_equations
 from ._analysis import low_precision_flop_share as low_precision_flop_share
@@ -30,6 +29,7 @@ from ._mpx import DynamicLossScaling as DynamicLossScaling
 from ._mpx import cast_function as cast_function
 from ._mpx import filter_grad as filter_grad
 from ._mpx import filter_value_and_grad as filter_value_and_grad
+from ._mpx import force_full_precision as force_full_precision
 from ._mpx import scaled as scaled
 from ._optax import SkipNonFiniteState as SkipNonFiniteState
 from ._optax import all_finite as all_finite

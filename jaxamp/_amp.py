@@ -23,7 +23,7 @@ from ._amp_policy import AMP_REGION, AmpPolicy
 from ._cast import cast_cache, restore
 from ._dtypes import canonical_dtype, limited_range
 from ._interpreter import AmpContext, Pipeline, eval_jaxpr
-from ._policy import cast_to_full_precision
+from ._policy_context import policy_compute_dtype
 from ._rules import Rule, default_amp_policy
 
 # The tables every amp walks with: the higher-order rules (a live view:
@@ -37,7 +37,7 @@ DEFAULT_PIPELINE = Pipeline(
 def amp(
     fn: Callable | None = None,
     *,
-    compute_dtype: Any = jnp.float16,
+    compute_dtype: Any = None,
     amp_policy: Mapping[Any, Rule] = default_amp_policy,
     overflow_check: bool | None = None,
 ) -> Callable:
@@ -71,9 +71,11 @@ def amp(
             Variables, ``nnx.Rngs``, ``nnx.Optimizer``) are passed as ``nnx.jit``
             passes them: the Variable updates ``fn`` makes reach the caller's
             objects after the call, each in its Variable's dtype.
-        compute_dtype: the low-precision dtype for matmuls (``jnp.float16`` by
-            default, as in jaxamp 0.0.4; ``jnp.bfloat16`` needs no loss scaling).
-            A dtype or a name such as ``"bf16"``.
+        compute_dtype: the low-precision dtype for matmuls; ``jnp.bfloat16``
+            needs no loss scaling. A dtype or a name such as ``"bf16"``. None
+            (the default): the compute dtype of the enclosing
+            :func:`jaxamp.mixed_precision` block when ``amp`` is called, else
+            ``jnp.float16`` (jaxamp 0.0.4's default).
         amp_policy: mapping from primitive objects, primitive names or
             ``jax.named_scope`` names (plus ``"amp_stop"`` and
             ``"amp_default"``) to rules
@@ -103,6 +105,8 @@ def amp(
         >>> f(jnp.ones((3, 2)), jnp.ones((4, 3))).dtype
         dtype('float32')
     """
+    if compute_dtype is None:  # the policy of an enclosing mixed_precision block
+        compute_dtype = policy_compute_dtype() or jnp.float16
     return amp_with(fn, compute_dtype, amp_policy, overflow_check, DEFAULT_PIPELINE)
 
 
@@ -258,29 +262,3 @@ def amp_stop(fn: Callable | None = None):
             return fn(*args, **kwargs)
 
     return stopped
-
-
-def force_full_precision(fn: Callable) -> Callable:
-    """Decorator: run ``fn`` in full precision even inside ``amp`` (mpx's name).
-
-    Floating array inputs are cast to float32 on entry (mpx semantics) and the
-    body is marked ``amp_stop`` so amp leaves it in the traced dtypes.
-
-    Args:
-        fn: any function of pytrees.
-
-    Returns:
-        The wrapped function.
-    """
-    if not callable(fn):
-        raise TypeError(
-            f"force_full_precision(fn): fn must be callable, got {type(fn).__name__}."
-        )
-
-    @functools.wraps(fn)
-    def full(*args, **kwargs):
-        args, kwargs = cast_to_full_precision((args, kwargs))
-        with _amp_stop_scope():
-            return fn(*args, **kwargs)
-
-    return full

@@ -70,7 +70,7 @@ from typing import Any
 
 from . import _compat, _state
 from ._jaxpr import is_var, named_subs
-from ._patterns import centring, quadratic, rms_operands
+from ._patterns import COLLECTIVE_SUMS, centring, quadratic, rms_operands
 from ._prims import CALLS, MATMULS
 
 REACH, WIDE, SUM = 1, 2, 4
@@ -395,8 +395,10 @@ def _while_bits(eqn: Any, outs: tuple[int, ...]) -> tuple[list[int], dict]:
 
 # Ops whose output keeps the magnitude class of a squared input: sums, means,
 # shifts, products, data movement. sqrt/rsqrt/log bring it back into range.
-_SQUARE_KEEPS = _PASS | frozenset(
-    {"reduce_sum", "reduce_max", "reduce_min", "cumsum", "add_any", "abs"}
+_SQUARE_KEEPS = (
+    _PASS
+    | COLLECTIVE_SUMS
+    | frozenset({"reduce_sum", "reduce_max", "reduce_min", "cumsum", "add_any", "abs"})
 )
 _SQ_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 

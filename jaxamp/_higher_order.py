@@ -195,7 +195,7 @@ def _scan(eqn: Any, invals: list, ctx: AmpContext) -> Any:
     that is the compute dtype, which removes the float32 residual stream of a
     scanned transformer, and keep their traced dtype otherwise. Consts and the
     stacked weights of checkpointed layers that the body only reads in the
-    compute dtype are cast once, before the loop (:func:`_loop_casts`).
+    compute dtype are cast once, before the loop (:func:`jaxamp._hoist.loop_casts`).
     """
     n_consts, n_carry = _compat.scan_carry_range(eqn.params)
     invals = restore_inputs(eqn, invals)

@@ -53,6 +53,10 @@ def quadratic(eqn: Any, producer: dict) -> bool:
 
 # Steps from a reduce_sum to the mean that is subtracted: broadcasts, reshapes,
 # casts and the division (or multiplication) by the count.
+# Sums over devices: a statistic reduced with psum (shard_map, vmap / pmap with
+# an axis_name) is what it would be locally, over the global batch / features.
+COLLECTIVE_SUMS = frozenset({"psum", "psum_invariant", "reduce_scatter"})
+
 _MEAN_STEPS = frozenset(
     {
         "broadcast_in_dim",
@@ -80,6 +84,9 @@ def centring(eqn: Any, producer: dict) -> bool:
         if step.primitive.name == "reduce_sum":
             a = step.invars[0]
             return is_var(a) and root(a, producer) is root(x, producer)
+        if step.primitive.name in COLLECTIVE_SUMS:  # one operand per output
+            v = step.invars[[id(o) for o in step.outvars].index(id(v))]
+            continue
         if step.primitive.name not in _MEAN_STEPS:
             return False
         operands = [u for u in step.invars if is_var(u)]
@@ -92,7 +99,7 @@ def centring(eqn: Any, producer: dict) -> bool:
 # Steps from a sum of squares to the factor that scales the value: the mean's
 # count, the epsilon, a clamp, broadcasts, casts and a gain folded into the
 # factor (Flax's RMSNorm multiplies rsqrt(ms) by its scale first).
-_NORM_STEPS = _MEAN_STEPS | frozenset({"add", "max", "sub"})
+_NORM_STEPS = _MEAN_STEPS | COLLECTIVE_SUMS | frozenset({"add", "max", "sub"})
 _INVERSE_ROOTS = {"mul": "rsqrt", "div": "sqrt"}
 
 

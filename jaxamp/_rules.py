@@ -289,6 +289,9 @@ def narrow_bfloat16_carries(compute_dtype, original_dtypes, *carries, **params):
 # THE default table, filled by small family helpers (jax's jet.py style).
 
 default_amp_policy: dict[Any, Rule] = {}
+"""The default policy: primitive name (plus ``"amp_stop"``, ``"amp_default"``
+and ``"scan"``) -> rule. Copy and override entries to change it:
+``{**jaxamp.default_amp_policy, "square": jaxamp.use_full_precision}``."""
 
 
 def _family(rule: Rule, *names: str) -> None:

@@ -67,7 +67,7 @@ class SemanticDType(str, enum.Enum):
 DTypeish = (
     DTypeLike | SemanticDType | Literal["compute", "param", "parameter", "output"]
 )
-DTypeish.__doc__ = """A type alias (Haliax's ``DTypeish``): a real dtype
+"""A type alias (Haliax's ``DTypeish``): a real dtype
 (``jnp.bfloat16``, ``"bf16"``) or a semantic one (a :class:`SemanticDType` or
 its string, ``"parameter"`` included), resolved by :func:`resolve_dtype`."""
 

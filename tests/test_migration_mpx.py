@@ -26,7 +26,7 @@ import optax
 import pytest
 
 import jaxamp
-from jaxamp._mpx import force_full_precision
+from jaxamp import force_full_precision
 
 F16, BF16, F32 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 F16_MAX = float(jnp.finfo(jnp.float16).max)  # (2 - 2**-10) * 2**15
