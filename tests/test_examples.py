@@ -11,6 +11,8 @@ import jax
 import numpy as np
 import pytest
 
+import jaxamp
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
@@ -156,3 +158,15 @@ def test_digits_learns_in_each_mode():
         r = train_digits.train(mode, steps=60)
         assert r["test_accuracy"] > 0.85, r
         assert np.isfinite(r["loss_scale"])
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_charlm_8bit_modes_run_their_matmuls_in_8_bits(mode):
+    # The small model is below the default size rules: the example quantizes
+    # every matmul, so most of the step's matmul FLOPs are 8-bit.
+    cfg = train_charlm.Config(batch_size=2, seq_len=16, d_model=32, layers=1, heads=2)
+    params = train_charlm.init_params(jax.random.key(0), cfg)
+    x = np.zeros((2, 16), np.int32)
+    loss = train_charlm.mode_loss(mode, cfg)
+    share = jaxamp.eight_bit_flop_share(jax.make_jaxpr(jax.grad(loss))(params, x, x))
+    assert share > 0.5
