@@ -40,6 +40,10 @@ def root(v: Any, producer: dict) -> Any:
 
 
 def quadratic(eqn: Any, producer: dict) -> bool:
+    """``eqn`` squares a value: ``square``, ``pow``, ``integer_pow`` with an
+    exponent other than 0 or 1, or a ``mul`` / ``dot_general`` of a value with
+    itself (seen through casts, negation and abs). Its output can leave
+    float16's range from in-range inputs."""
     name = eqn.primitive.name
     if name in ("square", "pow"):
         return True
