@@ -8,7 +8,7 @@ Mirrors mixed-precision-for-jax 0.1.8 (``mpx/_cast.py``,
 what it documents (gradients unscaled with the adjusted scale, a string ignored
 by ``set_half_precision_datatype``), jaxamp returns what is documented, and
 where a dtype would differ from mpx's the call warns (see
-``docs/migration_content.md``).
+``docs/migration.md``).
 """
 
 from __future__ import annotations

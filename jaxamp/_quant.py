@@ -365,8 +365,12 @@ def int8_rule(
     unchanged.
 
     Args:
-        granularity, forward, dgrad, wgrad, stochastic_rounding, key: as for
-            :func:`int8_dot_general`.
+        granularity: as for :func:`int8_dot_general`.
+        forward: as for :func:`int8_dot_general`.
+        dgrad: as for :func:`int8_dot_general`.
+        wgrad: as for :func:`int8_dot_general`.
+        stochastic_rounding: as for :func:`int8_dot_general`.
+        key: as for :func:`int8_dot_general`.
         size_rule: ``(m, k, n) -> bool`` on the forward product's per-batch
             rows, contraction and columns: True to quantize. Default
             :func:`jaxamp.torchao_rowwise_size_rule`; None quantizes every
@@ -436,8 +440,13 @@ def int8_policy(
     Args:
         scopes: scope names whose matmuls are quantized; None for all.
         exclude_scopes: scope names whose matmuls keep the ``base`` rule.
-        granularity, forward, dgrad, wgrad, stochastic_rounding, size_rule,
-            key: as for :func:`int8_rule`.
+        granularity: as for :func:`int8_rule`.
+        forward: as for :func:`int8_rule`.
+        dgrad: as for :func:`int8_rule`.
+        wgrad: as for :func:`int8_rule`.
+        stochastic_rounding: as for :func:`int8_rule`.
+        size_rule: as for :func:`int8_rule`.
+        key: as for :func:`int8_rule`.
         base: the policy for everything else; default
             ``jaxamp.default_amp_policy``.
 
