@@ -98,6 +98,11 @@ def amp(
             or ``overflow_check`` is not True, False or None.
         ValueError: if ``compute_dtype`` is not a floating dtype.
 
+    Warns:
+        UserWarning: once, when ``fn`` is traced, for each ``amp_policy`` key
+            you added that matched no primitive and no ``jax.named_scope`` in
+            ``fn`` (a typo), naming the closest name.
+
     Example:
         >>> import jax, jax.numpy as jnp, jaxamp
         >>> f = jaxamp.amp(lambda w, x: jnp.tanh(x @ w).sum(),
@@ -227,6 +232,8 @@ def _amp_call(ctx: AmpContext, check: bool, fn: Callable, args, kwargs) -> Any:
         edge = ((0,) * len(core.outvars), None)
         outs = eval_jaxpr(core, consts, leaves, ctx, held, True, edge)
         outs = [restore(x, v.aval) for x, v in zip(outs, core.outvars)]
+    # A key the user wrote that matched nothing (a typo) warns.
+    ctx.policy.warn_unmatched(getattr(fn, "__name__", "fn"))
     out_def, out_static = out_tree[0]
     return eqx.combine(jax.tree_util.tree_unflatten(out_def, outs), out_static)
 

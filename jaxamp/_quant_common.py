@@ -30,6 +30,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ._amp_policy import builtin_rule
 from ._dtypes import is_float
 from ._rules import default_amp_policy
 
@@ -287,7 +288,8 @@ def scoped_policy(
             )
     base = dict(default_amp_policy if base is None else base)
     excluded = {s: base for s in exclude_scopes}
-    quant = {**base, "dot_general": rule, **excluded}
+    # jaxamp's own entry, never warned about as an unmatched amp_policy key.
+    quant = {**base, "dot_general": builtin_rule(rule, "dot_general"), **excluded}
     if scopes is None:
         return quant
     return {**base, **{s: quant for s in scopes}, **excluded}
