@@ -25,6 +25,7 @@ _SAME_MAGNITUDE = frozenset(
         "reduce_precision",
         "real",
         "transpose",
+        "pvary",  # shard_map's device-varying marker (JAX >= 0.7)
     }
 )
 
@@ -72,31 +73,62 @@ _MEAN_STEPS = frozenset(
         "mul",
     }
 )
+# Data movement between several statistics reduced together: Flax's BatchNorm
+# reduces (mean, mean of squares) in one ``pmean``, which batches to a stack,
+# one psum and slices of its result.
+_PACKING = frozenset(
+    {
+        "stack",
+        "concatenate",
+        "slice",
+        "dynamic_slice",
+        "transpose",
+        "squeeze",
+        "all_gather",  # per-device statistics gathered, then summed
+        "pvary",
+    }
+)
 
 
 def centring(eqn: Any, producer: dict) -> bool:
-    """``sub(x, m)`` where ``m`` is a mean of ``x`` (both seen through casts)."""
+    """``sub(x, m)`` where ``m`` is a mean of ``x`` (both seen through casts).
+
+    The walk from ``m`` back to its ``reduce_sum`` passes the mean's steps
+    (:data:`_MEAN_STEPS`), collective sums, sums of partial sums and the
+    packing of several statistics reduced together or gathered from devices
+    (:data:`_PACKING`); through a packing it
+    follows every operand (at most 16 steps in all), so ``m`` qualifies if
+    any statistic packed with it is a mean of ``x``: a false positive keeps
+    the subtraction in float32, never less precise.
+    """
     if eqn.primitive.name != "sub" or len(eqn.invars) != 2:
         return False
-    x, v = eqn.invars
-    if not (is_var(x) and is_var(v)):
+    x, m = eqn.invars
+    if not (is_var(x) and is_var(m)):
         return False
-    for _ in range(8):
+    x_root = root(x, producer)
+    stack, steps = [m], 0
+    while stack and steps < 16:
+        v = stack.pop()
+        steps += 1
         step = producer.get(v)
         if step is None:
-            return False
-        if step.primitive.name == "reduce_sum":
-            a = step.invars[0]
-            return is_var(a) and root(a, producer) is root(x, producer)
-        if step.primitive.name in COLLECTIVE_SUMS:  # one operand per output
-            v = step.invars[[id(o) for o in step.outvars].index(id(v))]
             continue
-        if step.primitive.name not in _MEAN_STEPS:
-            return False
-        operands = [u for u in step.invars if is_var(u)]
-        if len(operands) != 1:  # a mean divides by a constant count
-            return False
-        v = operands[0]
+        name = step.primitive.name
+        if name == "reduce_sum":
+            a = step.invars[0]
+            if is_var(a) and root(a, producer) is x_root:
+                return True
+            if is_var(a):  # a sum of partial sums (gathered from devices)
+                stack.append(a)
+        elif name in COLLECTIVE_SUMS:  # one operand per output
+            stack.append(step.invars[[id(o) for o in step.outvars].index(id(v))])
+        elif name in _PACKING:
+            stack.extend(u for u in step.invars if is_var(u))
+        elif name in _MEAN_STEPS:
+            operands = [u for u in step.invars if not _is_constant(u, producer)]
+            if len(operands) == 1:  # a mean divides by a constant count
+                stack.append(operands[0])
     return False
 
 
@@ -177,6 +209,7 @@ def _is_constant(v: Any, producer: dict) -> bool:
             "broadcast_in_dim",
             "reshape",
             "convert_element_type",
+            "pvary",
         ):
             return False
         v = eqn.invars[0]
