@@ -116,6 +116,28 @@ def wide_products_in_manual_code() -> bool:
     return jax.default_backend() != "cpu"
 
 
+def runnable_product(prim: Any, invals: Sequence[Any], params: dict, outs: Any) -> Any:
+    """``outs`` of a bound product, made safe to run on this backend.
+
+    XLA:CPU (jaxlib 0.10.2) fails at run time on a bfloat16 x bfloat16 ->
+    float32 ``dot_general`` into which it folds the transpose of its result
+    (``Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32``):
+    the logits of a ``jax.vmap``-ed ``eqx.nn.Linear`` are one. An
+    ``optimization_barrier`` on such a result keeps the transpose out of the
+    dot; the values are unchanged. Other backends, dtypes and primitives get
+    ``outs`` as they are.
+    """
+    if prim.name != "dot_general" or jax.default_backend() != "cpu":
+        return outs
+    out_dtype = params.get("preferred_element_type")
+    if out_dtype is None or jax.numpy.dtype(out_dtype).itemsize <= 2:
+        return outs
+    bf16 = jax.numpy.dtype(jax.numpy.bfloat16)
+    if not all(getattr(x, "dtype", None) == bf16 for x in invals):
+        return outs
+    return jax.lax.optimization_barrier(outs)
+
+
 def source_line(eqn: Any) -> str:
     """``"file.py:LINE:COL (function)"`` of the user code behind an equation.
     JAX 0.10 / 0.11: only the private source_info_util summarises it."""

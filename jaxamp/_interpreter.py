@@ -276,9 +276,10 @@ class RuleCall:
         return check_rule_result(result, self.prim, self.rule, len(vals))
 
     def bind(self, new_params: dict, *new_in: Any) -> Any:
-        """Bind the primitive (float32 sums of derived broadcasts, overflow
-        check)."""
+        """Bind the primitive (float32 sums of derived broadcasts, a product
+        the backend can run, overflow check)."""
         outs = _reductions.bind(self.prim, new_in, new_params)
+        outs = _compat.runnable_product(self.prim, new_in, new_params, outs)
         return _overflow.poison(self.prim.name, new_in, outs)
 
     def apply(self, *vals: Any) -> Any:

@@ -33,7 +33,7 @@ _SAME_MAGNITUDE = frozenset(
 def root(v: Any, producer: dict) -> Any:
     """``v`` seen through casts, negation and abs (ops that keep |v|)."""
     for _ in range(16):
-        eqn = producer.get(v)
+        eqn = producer.get(v) if is_var(v) else None
         if eqn is None or eqn.primitive.name not in _SAME_MAGNITUDE:
             return v
         v = eqn.invars[0]
@@ -111,7 +111,7 @@ def centring(eqn: Any, producer: dict) -> bool:
     while stack and steps < 16:
         v = stack.pop()
         steps += 1
-        step = producer.get(v)
+        step = producer.get(v) if is_var(v) else None
         if step is None:
             continue
         name = step.primitive.name

@@ -474,3 +474,26 @@ def test_nested_amp():
     closed = jax.make_jaxpr(jax.grad(inner_f32))(params, TOKENS)
     assert list(jaxamp.matmul_flops_by_dtype(closed)) == ["float32"]
     assert_tree_allclose(run(inner_f32), gpt_value_and_grad(), rtol=1e-6, atol=1e-7)
+
+
+def test_vmapped_equinox_mlp_logits_run_on_xla_cpu():
+    """A ``jax.vmap``-ed ``eqx.nn.MLP`` whose logits feed the loss: the head's
+    bfloat16 x bfloat16 -> float32 product is followed by the transpose vmap
+    adds, which XLA:CPU folds into the dot and then cannot run ("Unsupported
+    element type for DotThunk::Execute: BF16 x BF16 = F32") unless amp keeps
+    them apart (``_compat.runnable_product``). The jitted gradient runs and is
+    within 3e-2 of float32's (bfloat16 matmuls over 32-64 features)."""
+    mlp = eqx.nn.MLP(32, 10, 64, 2, key=K[2])
+    mlp = jax.tree.map(lambda a: round_bf16(a) if eqx.is_array(a) else a, mlp)
+    x = round_bf16(jax.random.normal(K[3], (16, 32)))
+    y = jnp.arange(16) % 10
+
+    def loss(m, x, y):
+        logits = jax.vmap(m)(x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    g = eqx.filter_jit(eqx.filter_grad(jaxamp.amp(loss, compute_dtype=BF16)))(mlp, x, y)
+    with jax.default_matmul_precision("highest"):
+        ref = eqx.filter_grad(loss)(mlp, x, y)
+    assert tree_dtypes(g) == tree_dtypes(ref)
+    assert rel_l2(g, ref) < 3e-2
