@@ -108,14 +108,6 @@ def eqn_context(eqn: Any, name_stack_prefix: Any = None):
     return stack
 
 
-def wide_products_in_manual_code() -> bool:
-    """Whether a bfloat16 x bfloat16 -> float32 ``dot_general`` compiles inside a
-    ``shard_map`` body here. XLA:CPU (jaxlib 0.10.2) rejects some at run time
-    (``Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32``);
-    GPU backends lower them to cuBLAS with float32 output."""
-    return jax.default_backend() != "cpu"
-
-
 def runnable_product(prim: Any, invals: Sequence[Any], params: dict, outs: Any) -> Any:
     """``outs`` of a bound product, made safe to run on this backend.
 

@@ -216,12 +216,6 @@ def current_facts() -> EqnFacts:
     return UNKNOWN if facts is None else facts
 
 
-def wide_results_allowed() -> bool:
-    """False inside a region where low-precision products must not produce a
-    float32 result (a ``shard_map`` body on a backend that cannot run them)."""
-    return _state.current().wide_results
-
-
 @dataclasses.dataclass(frozen=True)
 class JaxprFacts:
     """The analysis of one jaxpr: per equation facts and per input bits."""

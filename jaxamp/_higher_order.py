@@ -240,8 +240,7 @@ def _scan(eqn: Any, invals: list, ctx: AmpContext) -> Any:
 @register_higher_order("shard_map")
 def _shard_map(eqn: Any, invals: list, ctx: AmpContext) -> Any:
     # The body is traced in shard_map's own context: manual mesh axes bound.
-    wide = _state.current().wide_results and _compat.wide_products_in_manual_code()
-    with _state.updated(wide_results=wide), _compat.shard_map_context(eqn.params):
+    with _compat.shard_map_context(eqn.params):
         new_params = _rewrite_params(eqn.params, ctx)
     if new_params is None:
         return run_unchanged(eqn, invals, ctx)

@@ -35,7 +35,6 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from . import _facts
 from ._cast import cast
 from ._dtypes import canonical_dtype, dtype_of, is_float, is_literal, is_weak, widest
 from ._facts import current_facts
@@ -245,9 +244,8 @@ def use_lower_precision(compute_dtype, original_dtypes, *invars, **params):
         return _original(invars, original_dtypes), params
     out, new = use_compute_precision(compute_dtype, original_dtypes, *invars, **params)
     facts = current_facts()
-    keep = _facts.wide_results_allowed() and (
-        facts.wide or facts.tail or (facts.quadratic and _range_critical(compute_dtype))
-    )
+    square = facts.quadratic and _range_critical(compute_dtype)
+    keep = facts.wide or facts.tail or square
     if keep and new is not params and "preferred_element_type" in new:
         traced = params.get("preferred_element_type") or widest(original_dtypes)
         new = dict(new)

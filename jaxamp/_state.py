@@ -35,8 +35,6 @@ class WalkState:
             trace, ``id(value) -> (value, flag)``; None: no check.
         facts: the value facts of the equation being bound (an
             ``EqnFacts``; None outside a walk: every fact unknown).
-        wide_results: low-precision products may produce a float32 result
-            (False in a ``shard_map`` body on a backend that cannot run them).
     """
 
     held: Mapping[int, Any] | None = None
@@ -44,7 +42,6 @@ class WalkState:
     casts: dict | None = None
     flags: dict | None = None
     facts: Any = None
-    wide_results: bool = True
 
 
 _WALK: contextvars.ContextVar[WalkState] = contextvars.ContextVar(
