@@ -52,6 +52,7 @@ from ._quant_common import (
     compute_dtype_dot,
     scoped_policy,
     torchao_tensorwise_size_rule,
+    weight_last,
 )
 from ._rules import use_compute_precision
 
@@ -218,7 +219,9 @@ def fp8_rule(
         out_dtype: result dtype; None for the amp compute dtype.
         power_of_two: round the scales down to powers of two.
         size_rule: ``(m, k, n) -> bool`` on the forward product's per-batch
-            rows, contraction and columns: True to run it in FP8. Default
+            rows (the activation's free elements), contraction and columns
+            (the weight's, as :func:`jaxamp.int8_rule` reads them): True to
+            run it in FP8. Default
             :func:`jaxamp.torchao_tensorwise_size_rule` (torchao's H100
             crossover for per-tensor scales: skip ``K <= 4096 and
             N <= 1024``); None runs every matmul in FP8;
@@ -238,7 +241,8 @@ def fp8_rule(
         if np.dtype(lhs.dtype).itemsize == 1 or np.dtype(rhs.dtype).itemsize == 1:
             return jax.lax.dot_general_p.bind(lhs, rhs, **params)
         dn = params["dimension_numbers"]
-        if not size_rule(*Dims.of(dn, lhs.ndim, rhs.ndim).mkn(lhs.shape, rhs.shape)):
+        a, w, dn_aw, _ = weight_last(lhs, rhs, dn, "auto")  # N: the weight's
+        if not size_rule(*Dims.of(dn_aw, a.ndim, w.ndim).mkn(a.shape, w.shape)):
             return compute_dtype_dot(compute_dtype, lhs, rhs, params)
         dtype = np.dtype(compute_dtype if out_dtype is None else out_dtype)
         with jax.named_scope(FP8_SCOPE):

@@ -15,13 +15,18 @@ torchao's int8 mixed-precision training
   falls back to a naive loop for it, jax#17688); the int32 result is
   multiplied in float32 by the two inverse scales, one at a time, and cast to
   the compute dtype.
-* dgrad (``d lhs = g . rhs^T``, int8 by default) and wgrad
-  (``d rhs = lhs^T . g``, compute dtype by default, as AQT and MaxText run
-  it): the saved residuals are the forward's int8 operands and scales, reused
-  as they are. A rowwise scale of the rhs is per *output column*, which is
-  the dgrad's contracting dim, so it cannot scale the dgrad's result;
-  instead it is folded into the gradient before the gradient is quantized
-  (qwix's residual-scale folding): ``g . (rq * s_r)^T = (g * s_r) . rq^T``.
+* which operand is the weight: decided by what the operands hold, not by
+  their position (``eqx.nn.Linear`` computes ``weight @ x``); see
+  :func:`jaxamp._quant_common.weight_operand` for the rule. The product is
+  then run with the activation as lhs and the weight as rhs, below.
+* dgrad (``d lhs = g . rhs^T``, the input gradient, int8 by default) and
+  wgrad (``d rhs = lhs^T . g``, the weight gradient, compute dtype by
+  default, as AQT and MaxText run it): the saved residuals are the
+  forward's int8 operands and scales, reused as they are. A rowwise scale
+  of the rhs is per *output column*, which is the dgrad's contracting dim,
+  so it cannot scale the dgrad's result; instead it is folded into the
+  gradient before the gradient is quantized (qwix's residual-scale
+  folding): ``g . (rq * s_r)^T = (g * s_r) . rq^T``.
   The same holds for the lhs's per-row scales in the wgrad. The folded
   gradient is quantized with rowwise scales along its non-contracting dims
   for that product. A product left in the compute dtype uses the int8
@@ -45,7 +50,10 @@ identical for identical inputs (reruns, recomputation under
 needs no key threaded through the training step. An optional ``key`` adds an
 independent stream (e.g. ``jax.random.fold_in(key, step)`` for a policy built
 inside the step); it is mixed with the data digest, so even a fixed key
-cannot freeze the noise.
+cannot freeze the noise. A concrete key enters the trace as its 32-bit seed
+(a literal); a key traced by the enclosing ``jit`` cannot enter the body of a
+``jax.checkpoint`` region (amp would leave the region in float32), and the
+rule says so (ValueError) instead.
 
 Quantization happens once per operand and product: the forward quantizes each
 operand once; the backward reuses those int8 arrays and quantizes only the
@@ -61,22 +69,25 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _state
 from ._dtypes import is_float
 from ._quant_common import (
     INT8_SCOPE,
+    WEIGHT_CHOICES,
     Dims,
     check_size_rule,
     compute_dtype_dot,
     dgrad,
     scoped_policy,
     torchao_rowwise_size_rule,
+    weight_last,
     wgrad,
 )
 from ._rules import use_compute_precision
@@ -203,6 +214,22 @@ def _recipe(owner: str, **kw: Any) -> _Recipe:
     return _Recipe(**kw)
 
 
+def _check_weight(owner: str, weight: Any) -> str:
+    if weight not in WEIGHT_CHOICES:
+        raise ValueError(
+            f"{owner}(weight=...) must be one of {WEIGHT_CHOICES}, got {weight!r}."
+        )
+    return weight
+
+
+def _weight_last_dot(lhs, rhs, seed, dimension_numbers, out_dtype, recipe, weight):
+    # The product with the weight as rhs (the operand whose gradient is wgrad),
+    # its output put back in the original layout.
+    a, w, dn, perm = weight_last(lhs, rhs, dimension_numbers, weight)
+    out = _int8_dot(a, w, seed, dn, np.dtype(out_dtype), recipe)
+    return out if perm is None else jnp.transpose(out, perm)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _int8_dot(lhs, rhs, seed, dimension_numbers, out_dtype, recipe):
     return _fwd(lhs, rhs, seed, dimension_numbers, out_dtype, recipe)[0]
@@ -275,9 +302,28 @@ def _bwd(dimension_numbers, out_dtype, recipe, res, g):
 _int8_dot.defvjp(_fwd, _bwd)
 
 
-def _seed(key: Any) -> jax.Array:
+def _traced_seed(key: jax.Array) -> jax.Array:
+    if _state.current().recomputed:
+        raise ValueError(
+            "int8 policy key=...: a key traced by an enclosing jit (a policy built "
+            "inside the training step) cannot reach the matmuls inside a "
+            "jax.checkpoint region: amp would leave the region in float32. Build "
+            "the policy outside the step with a concrete key, or pass key=None "
+            "(rounding noise derived from the data, fresh at every step)."
+        )
+    return jax.random.bits(key, (), U32)
+
+
+def _seed_source(key: Any) -> Callable[[], jax.Array]:
+    """A function giving the uint32 seed of ``key`` in the trace that calls it.
+
+    A concrete key becomes its seed once, here, as a number: a scalar enters
+    every trace as a literal. The key array itself would be a constant of the
+    rule's trace, and the body of a user's ``jax.checkpoint`` cannot carry
+    constants (amp would leave the whole region unconverted, in float32).
+    """
     if key is None:
-        return jnp.asarray(0, U32)
+        return lambda: jnp.asarray(0, U32)
     if not (
         isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
     ):
@@ -285,7 +331,10 @@ def _seed(key: Any) -> jax.Array:
             "key=... must be a typed PRNG key such as jax.random.key(0) (or None "
             f"for data-derived rounding noise), got {type(key).__name__}."
         )
-    return jax.random.bits(key, (), U32)
+    if isinstance(key, jax.core.Tracer):  # a policy built inside a traced step
+        return functools.partial(_traced_seed, key)
+    seed = np.uint32(jax.random.bits(key, (), U32))
+    return lambda: jnp.asarray(seed, U32)
 
 
 def int8_dot_general(
@@ -300,13 +349,19 @@ def int8_dot_general(
     wgrad: bool = False,
     stochastic_rounding: bool = True,
     key: jax.Array | None = None,
+    weight: str = "auto",
 ) -> jax.Array:
     """``lax.dot_general`` trained in int8: int8 x int8 -> int32 products.
 
     The recipe of the module docstring (AQT, qwix, torchao): the forward
     product, the input gradient (dgrad) and the weight gradient (wgrad) each
     run int8 x int8 -> int32 with float32 scales or in ``out_dtype``; the
-    backward pass reuses the forward's int8 operands.
+    backward pass reuses the forward's int8 operands. Which operand is the
+    weight is read from the operands (``weight="auto"``), not their order:
+    the rule of :func:`jaxamp._quant_common.weight_operand`, in short the
+    operand contracted over its leading dims (a kernel ``(in, out)``), else
+    the one with fewer free dims, else the wider dtype, else fewer free
+    elements, else the rhs; batched products (attention) take the rhs.
 
     Args:
         lhs: float array, any float dtype, shape as for ``lax.dot_general``.
@@ -323,6 +378,9 @@ def int8_dot_general(
         stochastic_rounding: round the gradient operand stochastically.
         key: optional typed PRNG key mixed into the rounding noise; None for
             the data-derived noise alone (module docstring).
+        weight: which operand is the weight (its gradient is the wgrad
+            product): ``"auto"`` (read from shapes and dtypes, above),
+            ``"lhs"`` or ``"rhs"``.
 
     Returns:
         The product, ``lax.dot_general``'s shape, dtype ``out_dtype``;
@@ -330,7 +388,7 @@ def int8_dot_general(
         operand (or cotangent) gives NaN in the rows it touches.
 
     Raises:
-        ValueError: for an unknown ``granularity``.
+        ValueError: for an unknown ``granularity`` or ``weight``.
         TypeError: for a non-bool switch or a ``key`` that is not a typed
             PRNG key; from ``lax.dot_general`` if the shapes do not match.
     """
@@ -342,8 +400,10 @@ def int8_dot_general(
         wgrad=wgrad,
         stochastic_rounding=stochastic_rounding,
     )
+    weight = _check_weight("int8_dot_general", weight)
     dn = tuple(tuple(tuple(int(i) for i in x) for x in p) for p in dimension_numbers)
-    return _int8_dot(lhs, rhs, _seed(key), dn, np.dtype(out_dtype), recipe)
+    seed = _seed_source(key)()
+    return _weight_last_dot(lhs, rhs, seed, dn, out_dtype, recipe, weight)
 
 
 def int8_rule(
@@ -355,6 +415,7 @@ def int8_rule(
     stochastic_rounding: bool = True,
     size_rule: Any = torchao_rowwise_size_rule,
     key: jax.Array | None = None,
+    weight: str = "auto",
 ):
     """An amp implementation rule (``amp_impl = True``) running float
     ``dot_general`` equations through :func:`int8_dot_general`.
@@ -371,8 +432,11 @@ def int8_rule(
         wgrad: as for :func:`int8_dot_general`.
         stochastic_rounding: as for :func:`int8_dot_general`.
         key: as for :func:`int8_dot_general`.
+        weight: as for :func:`int8_dot_general`: ``"auto"`` reads which
+            operand is the weight from the operands.
         size_rule: ``(m, k, n) -> bool`` on the forward product's per-batch
-            rows, contraction and columns: True to quantize. Default
+            rows (activation's free elements), contraction and columns
+            (weight's free elements): True to quantize. Default
             :func:`jaxamp.torchao_rowwise_size_rule`; None quantizes every
             matmul; :class:`jaxamp.min_matmul_size` builds thresholds.
 
@@ -391,8 +455,8 @@ def int8_rule(
         stochastic_rounding=stochastic_rounding,
     )
     size_rule = check_size_rule(size_rule, "int8_rule")
-    if key is not None:
-        _seed(key)  # validate now, derive per trace
+    weight = _check_weight("int8_rule", weight)
+    seed_source = _seed_source(key)
 
     def rule(compute_dtype, original_dtypes, lhs, rhs, **params):
         if not (is_float(lhs.dtype) and is_float(rhs.dtype)):
@@ -403,10 +467,12 @@ def int8_rule(
         if np.dtype(lhs.dtype).itemsize == 1 or np.dtype(rhs.dtype).itemsize == 1:
             return jax.lax.dot_general_p.bind(lhs, rhs, **params)
         dn = params["dimension_numbers"]
-        if not size_rule(*Dims.of(dn, lhs.ndim, rhs.ndim).mkn(lhs.shape, rhs.shape)):
+        a, w, dn_aw, _ = weight_last(lhs, rhs, dn, weight)
+        if not size_rule(*Dims.of(dn_aw, a.ndim, w.ndim).mkn(a.shape, w.shape)):
             return compute_dtype_dot(compute_dtype, lhs, rhs, params)
         with jax.named_scope(INT8_SCOPE):
-            return _int8_dot(lhs, rhs, _seed(key), dn, np.dtype(compute_dtype), recipe)
+            seed = seed_source()
+            return _weight_last_dot(lhs, rhs, seed, dn, compute_dtype, recipe, weight)
 
     rule.amp_impl = True
     rule.__name__ = f"int8_rule({recipe})"
@@ -424,6 +490,7 @@ def int8_policy(
     stochastic_rounding: bool = True,
     size_rule: Any = torchao_rowwise_size_rule,
     key: jax.Array | None = None,
+    weight: str = "auto",
     base: Mapping[Any, Any] | None = None,
 ) -> dict[Any, Any]:
     """An amp policy training matmuls in int8, everywhere or per named scope.
@@ -447,6 +514,7 @@ def int8_policy(
         stochastic_rounding: as for :func:`int8_rule`.
         size_rule: as for :func:`int8_rule`.
         key: as for :func:`int8_rule`.
+        weight: as for :func:`int8_rule`.
         base: the policy for everything else; default
             ``jaxamp.default_amp_policy``.
 
@@ -457,7 +525,7 @@ def int8_policy(
     Raises:
         TypeError: if ``scopes`` or ``exclude_scopes`` is a single string, or
             for invalid rule options.
-        ValueError: for an unknown ``granularity``.
+        ValueError: for an unknown ``granularity`` or ``weight``.
     """
     rule = int8_rule(
         granularity=granularity,
@@ -467,6 +535,7 @@ def int8_policy(
         stochastic_rounding=stochastic_rounding,
         size_rule=size_rule,
         key=key,
+        weight=weight,
     )
     return scoped_policy("int8_policy", rule, scopes, exclude_scopes, base)
 

@@ -197,6 +197,110 @@ class Dims:
         return jax.numpy.transpose(s, np.argsort(self.rb + self.rf + self.rc))
 
 
+WEIGHT_CHOICES = ("auto", "lhs", "rhs")
+
+
+def _kernel_layout(contract: tuple, free: tuple) -> bool:
+    # Contracted over leading dims, free dims after them: a kernel (in, out).
+    return bool(free) and max(contract, default=-1) < min(free)
+
+
+def weight_operand(lhs: Any, rhs: Any, dimension_numbers: Any) -> str:
+    """Which operand of a forward ``dot_general`` is the layer's weight.
+
+    An 8-bit rule treats the two gradient products of a linear layer
+    differently (by default the input gradient, dgrad, in int8 and the weight
+    gradient, wgrad, in the compute dtype), so it must tell the weight from
+    the activation by what they hold, not where they stand: ``x @ w`` has the
+    weight on the right, but ``eqx.nn.Linear`` computes ``weight @ x``, which
+    vmapped over a batch binds ``dot_general(weight (out, in), x (batch, in))``
+    with the weight on the left.
+
+    The weight is the operand without token dims: an activation's free
+    (non-contracting) dims are its tokens (batch, sequence, vmapped axes), a
+    weight's are its output features. The first of these tests that tells the
+    operands apart decides:
+
+    1. Batched products (``dot_general`` batch dims, on both operands:
+       attention's ``q k^T`` and ``p v``, per-expert weights): the rhs, the
+       ``x @ w`` order.
+    2. Kernel layout: a weight stored ``(in, out)`` (``x @ w``, Flax
+       ``Dense`` / ``Einsum`` / NNX ``Linear``, Haiku) is contracted over its
+       leading dims, an activation ``(tokens..., features)`` over its trailing
+       ones. If exactly one operand is contracted over leading dims with free
+       dims after them, it is the weight.
+    3. Token dims: the operand with fewer free dims is the weight
+       (``(B, T, D) x (D, F)``; an ``eqx.nn.Linear`` vmapped over batch and
+       sequence).
+    4. Storage dtype: under amp an activation comes out of an earlier
+       operation in the compute dtype while a parameter arrives in its
+       storage dtype, so the wider operand is the weight (a vmapped
+       ``eqx.nn.Linear`` after the first layer: float32 weight, bfloat16
+       input).
+    5. Size: the operand with fewer free elements is the weight (a training
+       batch has more tokens than a layer has outputs; a vmapped
+       ``eqx.nn.Linear`` fed float32 data).
+    6. Otherwise the rhs.
+
+    Known misreadings: activations in column layout ``(features, tokens)``
+    (``W @ X`` with ``X`` a matrix) look like a kernel at test 2, and a
+    matrix-vector product reads the vector as the weight at test 3 (below
+    every default size rule); a vmapped ``eqx.nn.Linear`` fed float32 data
+    with fewer examples than outputs reads the data as the weight at test 5.
+    ``jaxamp.int8_policy(weight="lhs")`` (or ``"rhs"``) fixes the choice.
+
+    Args:
+        lhs: the lhs operand (an array or anything with shape and dtype).
+        rhs: the rhs operand.
+        dimension_numbers: the product's ``dot_general`` dimension numbers.
+
+    Returns:
+        ``"lhs"`` or ``"rhs"``.
+    """
+    d = Dims.of(dimension_numbers, len(lhs.shape), len(rhs.shape))
+    if d.lb:
+        return "rhs"
+    kernel = (_kernel_layout(d.lc, d.lf), _kernel_layout(d.rc, d.rf))
+    if kernel[0] != kernel[1]:
+        return "lhs" if kernel[0] else "rhs"
+    if len(d.lf) != len(d.rf):
+        return "lhs" if len(d.lf) < len(d.rf) else "rhs"
+    widths = [np.dtype(x.dtype).itemsize for x in (lhs, rhs)]
+    if widths[0] != widths[1]:
+        return "lhs" if widths[0] > widths[1] else "rhs"
+    m, _, n = d.mkn(lhs.shape, rhs.shape)
+    return "lhs" if m < n else "rhs"
+
+
+def weight_last(
+    lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, weight: str
+) -> tuple[jax.Array, jax.Array, Any, tuple | None]:
+    """The operands as ``(activation, weight)`` and their dimension numbers.
+
+    Args:
+        lhs: the lhs operand.
+        rhs: the rhs operand.
+        dimension_numbers: ``dot_general`` dimension numbers of ``(lhs, rhs)``.
+        weight: ``"auto"`` (:func:`weight_operand` decides), ``"lhs"`` or
+            ``"rhs"``.
+
+    Returns:
+        ``(activation, weight, dimension_numbers, perm)``: ``perm`` is None
+        when the weight already is the rhs; otherwise the permutation that
+        takes the swapped product's output (batch, rhs free, lhs free) to the
+        original layout (batch, lhs free, rhs free).
+    """
+    if weight == "auto":
+        weight = weight_operand(lhs, rhs, dimension_numbers)
+    if weight == "rhs":
+        return lhs, rhs, dimension_numbers, None
+    d = Dims.of(dimension_numbers, lhs.ndim, rhs.ndim)
+    (lc, rc), (lb, rb) = dimension_numbers
+    nb, nl, nr = len(d.lb), len(d.lf), len(d.rf)
+    perm = (*range(nb), *range(nb + nr, nb + nr + nl), *range(nb, nb + nr))
+    return rhs, lhs, ((rc, lc), (rb, lb)), perm
+
+
 def dgrad(g: jax.Array, rhs: jax.Array, d: Dims, out_type: Any) -> jax.Array:
     """``d lhs = g . rhs^T`` for the product described by ``d``, in lhs layout.
 
