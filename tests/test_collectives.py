@@ -63,25 +63,30 @@ def _errors(loss_local, loss_sharded, p, x):
     return rel_l2(local, ref), rel_l2(sharded, ref)
 
 
-@pytest.mark.parametrize("norm", [_layer_norm, _rms_norm], ids=["layer", "rms"])
-def test_tensor_parallel_norm_in_shard_map(norm):
-    """Hidden dimension sharded over 4 devices, statistics by psum: the same
-    dtypes and the same gradient error as the local norm."""
+def _mlp_losses(local_norm, sharded_norm):
+    """``loss(p, x)`` of a two-layer MLP with a norm between the layers: the
+    local norm, and ``sharded_norm`` on 4 devices' feature shards."""
     mesh = Mesh(np.array(jax.devices()[:4]), ("model",))
-
-    def body(x):  # x: (B, D / 4), this device's features
-        return norm(x, D, "model")
-
     tp = jax.shard_map(
-        body, mesh=mesh, in_specs=P(None, "model"), out_specs=P(None, "model")
+        sharded_norm, mesh=mesh, in_specs=P(None, "model"), out_specs=P(None, "model")
     )
 
     def loss(fn, p, x):
         w1, w2 = p
         return jnp.mean(jnp.tanh(fn(x @ w1) @ w2))
 
-    local = functools.partial(loss, lambda h: norm(h, D))
-    sharded = functools.partial(loss, tp)
+    return functools.partial(loss, local_norm), functools.partial(loss, tp)
+
+
+@pytest.mark.parametrize("norm", [_layer_norm, _rms_norm], ids=["layer", "rms"])
+def test_tensor_parallel_norm_in_shard_map(norm):
+    """Hidden dimension sharded over 4 devices, statistics by psum: the same
+    dtypes and the same gradient error as the local norm."""
+
+    def body(x):  # x: (B, D / 4), this device's features
+        return norm(x, D, "model")
+
+    local, sharded = _mlp_losses(lambda h: norm(h, D), body)
     p, x = _inputs()
     amp_jaxpr = jax.make_jaxpr(jax.grad(jaxamp.amp(sharded, compute_dtype=BF16)))(p, x)
     assert not _low_subs(amp_jaxpr)
@@ -93,7 +98,6 @@ def test_tensor_parallel_norm_in_shard_map(norm):
 def test_all_gathered_statistics_in_shard_map():
     """Per-device sums gathered with ``all_gather`` and summed (instead of a
     psum): the LayerNorm's centring is still recognised."""
-    mesh = Mesh(np.array(jax.devices()[:4]), ("model",))
 
     def gathered_ln(h):  # h: (B, D / 4)
         s = jnp.sum(jax.lax.all_gather(jnp.sum(h, -1), "model"), 0)[:, None]
@@ -101,16 +105,7 @@ def test_all_gathered_statistics_in_shard_map():
         q = jnp.sum(jax.lax.all_gather(jnp.sum(c * c, -1), "model"), 0)[:, None]
         return c * jax.lax.rsqrt(q / D + 1e-5)
 
-    tp = jax.shard_map(
-        gathered_ln, mesh=mesh, in_specs=P(None, "model"), out_specs=P(None, "model")
-    )
-
-    def loss(fn, p, x):
-        w1, w2 = p
-        return jnp.mean(jnp.tanh(fn(x @ w1) @ w2))
-
-    local = functools.partial(loss, lambda h: _layer_norm(h, D))
-    sharded = functools.partial(loss, tp)
+    local, sharded = _mlp_losses(lambda h: _layer_norm(h, D), gathered_ln)
     p, x = _inputs(1)
     # The facts pass marks the body's ``h - mean`` as a centring.
     (body,) = [
