@@ -148,3 +148,28 @@ def test_rmsnorm_benchmark_tiny(tmp_path):
     assert all(0 < r < 1 for r in residuals.values()), residuals
     md = out.read_text()
     assert "| jaxamp bf16 |" in md and "| hand bf16 |" in md
+
+
+@pytest.mark.slow
+def test_cross_replica_bn_benchmark_tiny(tmp_path, capsys):
+    """benchmarks/cross_replica_bn.py on a one-block ResNet, one draw: Flax's
+    cross-replica BatchNorm under amp (vmap axis_name and shard_map) leaves no
+    bfloat16 ``sub`` in the gradient and matches amp on the whole batch."""
+    import cross_replica_bn
+
+    out, js = tmp_path / "scaleout.md", tmp_path / "r.json"
+    args = ["--stages", "1", "--filters", "8", "--image", "16", "--draws", "1"]
+    args += ["--inputs", "offset", "--out", str(out), "--json", str(js)]
+    assert cross_replica_bn.main(args) == 0
+    md = out.read_text()
+    assert md.strip() in capsys.readouterr().out
+    assert "| offset | amp shard_map |" in md and "Findings:" in md
+    rows = json.loads(js.read_text())["results"]["offset"]
+    assert list(rows) == list(cross_replica_bn.VARIANTS)
+    local = rows["amp local"]["median"]
+    for name in ("amp local", "amp vmap", "amp shard_map"):
+        assert rows[name]["bf16_subs"] == [], (name, rows[name]["bf16_subs"])
+        assert 0 < rows[name]["median"] < 0.1, (name, rows[name])
+    for name in ("amp vmap", "amp shard_map"):
+        assert rows[name]["median"] < 1.3 * local + 1e-6, (name, rows[name], local)
+    assert rows["fp32 vmap"]["median"] < 1e-5
