@@ -159,34 +159,50 @@ def amp_with(
     return amp_fn
 
 
-def ablated(*, rewrites: Iterable[str] = (), facts: Iterable[str] = ()) -> Callable:
-    """:func:`amp` with pattern rewrites or pattern facts switched off, for
-    ablations (what a rule or a rewrite is worth, measured side by side).
+_CHOICES = frozenset({"narrow_activations", "loop_casts"})
+
+
+def ablated(
+    *,
+    rewrites: Iterable[str] = (),
+    facts: Iterable[str] = (),
+    choices: Iterable[str] = (),
+) -> Callable:
+    """:func:`amp` with pattern rewrites, pattern facts or residual choices
+    switched off, for ablations (what a rule or a rewrite is worth, measured
+    side by side).
 
     Args:
         rewrites: names of pattern rewrites to leave out (``"attention"``,
             ``"rms_norm"``).
         facts: pattern facts the analysis does not derive (``"rms_scaling"``:
             no equation is an RMSNorm scaling).
+        choices: residual and loop choices not made
+            (``"narrow_activations"``: a matmul of an activation and a held
+            weight casts nothing early; ``"loop_casts"``: ``scan`` inputs are
+            cast in the loop body, not once before it).
 
     Returns:
         A function with :func:`amp`'s signature.
 
     Raises:
-        ValueError: for a name that is not a rewrite or a known fact.
+        ValueError: for a name that is not a rewrite, a known fact or a known
+            choice.
     """
-    rewrites, facts = frozenset(rewrites), frozenset(facts)
+    rewrites, facts, choices = map(frozenset, (rewrites, facts, choices))
     known = {r.name for r in DEFAULT_PIPELINE.rewrites}
-    if not rewrites <= known or not facts <= {"rms_scaling"}:
+    if not (rewrites <= known and facts <= {"rms_scaling"} and choices <= _CHOICES):
         raise ValueError(
-            f"ablated(rewrites={sorted(rewrites)}, facts={sorted(facts)}): "
-            f"rewrites are {sorted(known)}, facts ['rms_scaling']."
+            f"ablated(rewrites={sorted(rewrites)}, facts={sorted(facts)}, "
+            f"choices={sorted(choices)}): rewrites are {sorted(known)}, facts "
+            f"['rms_scaling'], choices {sorted(_CHOICES)}."
         )
     base = DEFAULT_PIPELINE
     pipeline = Pipeline(
         base.higher_order,
         tuple(r for r in base.rewrites if r.name not in rewrites),
         base.ignore_facts | facts,
+        base.off | choices,
     )
 
     def amp_ablated(

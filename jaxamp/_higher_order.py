@@ -225,7 +225,8 @@ def _scan(eqn: Any, invals: list, ctx: AmpContext) -> Any:
         return run_unchanged(eqn, invals, ctx)
     # Inputs the rewritten body only reads in a narrower dtype are cast once,
     # before the loop, and their casts leave the body (_hoist.py).
-    casts = loop_casts(eqn, body, n_consts, n_carry)
+    off = "loop_casts" in ctx.pipeline.off
+    casts = () if off else loop_casts(eqn, body, n_consts, n_carry)
     if any(d is not None for d in casts):
         replayed = without_casts(body, casts)
         if replayed is not None:  # None: an open body would need consts

@@ -83,11 +83,16 @@ class Pipeline:
             equation wins).
         ignore_facts: pattern facts the analysis does not derive
             (``_facts.analyse``), for ablations.
+        off: residual and loop choices switched off, for ablations:
+            ``"narrow_activations"`` (:func:`jaxamp._residuals.bind_saving_less`
+            casts no activation early) and ``"loop_casts"`` (the ``scan`` rule
+            moves no cast before the loop).
     """
 
     higher_order: Mapping[str, HigherOrderRule]
     rewrites: tuple[PatternRewrite, ...] = ()
     ignore_facts: frozenset = frozenset()
+    off: frozenset = frozenset()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -298,7 +303,8 @@ def _apply_rule(eqn: Any, invals: list, ctx: AmpContext, scopes: tuple) -> Any:
     call = RuleCall(prim, rule, params, original, ctx.compute_dtype)
     if rule is ctx.policy.stop_rule:  # amp_stop regions stay as traced
         return call.apply(*invals)
-    return _residuals.bind_saving_less(call, invals)
+    narrow = "narrow_activations" not in ctx.pipeline.off
+    return _residuals.bind_saving_less(call, invals, narrow)
 
 
 def check_rule_result(result, prim, rule: Callable, n: int):

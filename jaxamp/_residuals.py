@@ -50,7 +50,7 @@ def is_recast(eqn: Any) -> bool:
     return eqn.primitive.name in REMATS and RECAST_SCOPE in _compat.scope_names(eqn)
 
 
-def bind_saving_less(call: Any, invals: Sequence[Any]) -> Any:
+def bind_saving_less(call: Any, invals: Sequence[Any], narrow: bool = True) -> Any:
     """Bind one equation under its rule, choosing what its backward pass saves.
 
     Args:
@@ -60,11 +60,13 @@ def bind_saving_less(call: Any, invals: Sequence[Any]) -> Any:
             ``call.bind(params, *inputs)`` and ``call.apply(*vals)`` (decide,
             then bind).
         invals: the equation's current input values.
+        narrow: cast a default-rule matmul's activations before its held
+            inputs (:func:`_narrow_activations`); False for ablations.
 
     Returns:
         The equation's outputs.
     """
-    if call.name in MATMULS and call.rule is use_lower_precision:
+    if narrow and call.name in MATMULS and call.rule is use_lower_precision:
         invals = _narrow_activations(invals, call.original, call.compute_dtype)
     if call.name in MATMULS and _casts_only_held(invals, call.compute_dtype):
         return recomputing_casts(call.apply, invals)

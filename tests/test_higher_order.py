@@ -15,7 +15,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import jaxamp
-from jaxamp import _compat, _higher_order
+from jaxamp import _amp, _compat, _higher_order
 
 BF16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 F16 = np.dtype(jnp.float16)
@@ -665,7 +665,7 @@ def _tanh_scanned(p, h):
     return jnp.mean(jnp.square(h / 100.0))
 
 
-def test_float16_casts_move_before_the_loop_with_their_overflow_check(monkeypatch):
+def test_float16_casts_move_before_the_loop_with_their_overflow_check():
     # The cast before the loop checks each float32 stack once; in the body the
     # weights arrive in float16, the finite tests left there read float16 values
     # and the casts' NaN factors are gone.
@@ -687,9 +687,7 @@ def test_float16_casts_move_before_the_loop_with_their_overflow_check(monkeypatc
     grad = lambda f: jax.jit(jax.grad(lambda p, h: f(p, h) * 2.0**12))(STACK, H0)
     grads = grad(amp_loss)  # a static loss scale: no float16 underflow
 
-    keep = lambda eqn, body, n_consts, n_carry: (None,) * len(eqn.invars)
-    monkeypatch.setattr(_higher_order, "loop_casts", keep)
-    in_loop = jaxamp.amp(_tanh_scanned, compute_dtype=F16)
+    in_loop = _amp.ablated(choices=["loop_casts"])(_tanh_scanned, compute_dtype=F16)
     assert _xs_dtypes(_scan_eqns(jax.make_jaxpr(in_loop)(STACK, H0))[0]) == [F32] * 3
     grads_in_loop = grad(in_loop)
     with jax.default_matmul_precision("highest"):
@@ -703,7 +701,6 @@ def test_float16_casts_move_before_the_loop_with_their_overflow_check(monkeypatc
     # One weight of layer 2 beyond float16's range: tanh absorbs the inf, so
     # without the check the loss is finite; with it, hoisted or not, it is NaN.
     bad = {**STACK, "up": STACK["up"].at[2, 0, 0].set(1e5)}
-    monkeypatch.undo()
     hoisted = jaxamp.amp(_tanh_scanned, compute_dtype=F16)
     silent = jaxamp.amp(_tanh_scanned, compute_dtype=F16, overflow_check=False)
     assert np.isfinite(float(silent(bad, H0)))
@@ -809,7 +806,7 @@ SCAN_FORM_DTYPES = {
 
 @pytest.mark.parametrize("dtype_name", sorted(SCAN_FORM_DTYPES))
 @pytest.mark.parametrize("form", sorted(SCAN_FORMS))
-def test_casting_before_the_loop_in_other_scan_forms(form, dtype_name, monkeypatch):
+def test_casting_before_the_loop_in_other_scan_forms(form, dtype_name):
     """Reverse and unrolled scans, a checkpoint policy, a jit inside the
     checkpoint, ``lax.map`` and a scan nested in the checkpointed layer: the
     stacked weights enter the loop in the compute dtype (float16 with its
@@ -833,9 +830,7 @@ def test_casting_before_the_loop_in_other_scan_forms(form, dtype_name, monkeypat
     assert first_scan_xs(hoisted) == [dtype, F32, dtype]  # down, gain, up
     grads = grad(hoisted)
 
-    keep = lambda eqn, body, n_consts, n_carry: (None,) * len(eqn.invars)
-    monkeypatch.setattr(_higher_order, "loop_casts", keep)
-    in_loop = jaxamp.amp(loss, compute_dtype=dtype)
+    in_loop = _amp.ablated(choices=["loop_casts"])(loss, compute_dtype=dtype)
     assert first_scan_xs(in_loop) == [F32, F32, F32]
     grads_in_loop = grad(in_loop)
 

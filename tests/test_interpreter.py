@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jaxamp
-from jaxamp import _residuals
+from jaxamp import _amp
 from jaxamp._amp_policy import AmpPolicy
 
 BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32)
@@ -200,7 +200,7 @@ def test_held_through_jit_and_closures():
     assert others and set(others) == {BF16}
 
 
-def test_intermediate_inputs_are_cast_and_held_weights_recomputed(monkeypatch):
+def test_intermediate_inputs_are_cast_and_held_weights_recomputed():
     """A matmul of an intermediate float32 value (``sin(x)``) and a held weight:
     the intermediate's bfloat16 copy is saved (recomputing it from float32 would
     save more), the weight's cast is recomputed in the backward pass (the
@@ -215,10 +215,8 @@ def test_intermediate_inputs_are_cast_and_held_weights_recomputed(monkeypatch):
     assert (BF16, W.shape) not in shapes
     # The check can fail: without the early cast of sin(x) the matmul takes the
     # plain path and saves a bfloat16 copy of the weight.
-    monkeypatch.setattr(
-        _residuals, "_narrow_activations", lambda invals, *_: list(invals)
-    )
-    saved = residuals(jaxamp.amp(f, compute_dtype=BF16), W, X)
+    plain = _amp.ablated(choices=["narrow_activations"])
+    saved = residuals(plain(f, compute_dtype=BF16), W, X)
     assert (BF16, W.shape) in [r[:2] for r in saved]
 
 
