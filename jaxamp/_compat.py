@@ -108,7 +108,9 @@ def eqn_context(eqn: Any, name_stack_prefix: Any = None):
     return stack
 
 
-def runnable_product(prim: Any, invals: Sequence[Any], params: dict, outs: Any) -> Any:
+def runnable_product(
+    prim: Any, invals: Sequence[Any], params: dict, outs: Any, transposed: bool
+) -> Any:
     """``outs`` of a bound product, made safe to run on this backend.
 
     XLA:CPU (jaxlib 0.10.2) fails at run time on a bfloat16 x bfloat16 ->
@@ -116,10 +118,13 @@ def runnable_product(prim: Any, invals: Sequence[Any], params: dict, outs: Any) 
     (``Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32``):
     the logits of a ``jax.vmap``-ed ``eqx.nn.Linear`` are one. An
     ``optimization_barrier`` on such a result keeps the transpose out of the
-    dot; the values are unchanged. Other backends, dtypes and primitives get
-    ``outs`` as they are.
+    dot; the values are unchanged. Only a result the value facts mark
+    ``transposed`` gets one (a barrier costs fusions); other backends, dtypes
+    and primitives get ``outs`` as they are.
     """
-    if prim.name != "dot_general" or jax.default_backend() != "cpu":
+    if not transposed or prim.name != "dot_general":
+        return outs
+    if jax.default_backend() != "cpu":
         return outs
     out_dtype = params.get("preferred_element_type")
     if out_dtype is None or jax.numpy.dtype(out_dtype).itemsize <= 2:

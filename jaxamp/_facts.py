@@ -17,7 +17,10 @@ equation's values *are*:
     algebra routine (a covariance entering ``cholesky``) through scale / mask /
     shift ops: a matmul producing it keeps its traced float32 result;
   - ``SUM``: the value reaches a ``reduce_sum`` through such ops: a square
-    feeding it is a normalisation statistic, kept in float32.
+    feeding it is a normalisation statistic, kept in float32;
+  - ``TRANSPOSED``: the value is read by a ``transpose`` (seen through casts):
+    XLA folds that transpose into the product computing it, a form XLA:CPU
+    cannot run for bfloat16 x bfloat16 -> float32 (``_compat.runnable_product``).
 
 * per equation: ``quadratic`` (``square``, ``integer_pow``, ``pow``, a value
   multiplied by itself or matmul'd with itself, seen through casts and negation):
@@ -73,7 +76,7 @@ from ._jaxpr import is_var, named_subs
 from ._patterns import COLLECTIVE_SUMS, centring, quadratic, rms_operands
 from ._prims import CALLS, MATMULS
 
-REACH, WIDE, SUM = 1, 2, 4
+REACH, WIDE, SUM, TRANSPOSED = 1, 2, 4, 8
 ALL = REACH  # conservative bits for an output whose consumers are unknown
 
 # Ops through which a value still "is" the logits of a softmax (WIDE) or the terms
@@ -182,6 +185,11 @@ class EqnFacts:
         """Some output reaches a softmax's ``exp`` or linear algebra through
         scale/mask/shift ops."""
         return any(b & WIDE for b in self.out_bits)
+
+    @property
+    def transposed(self) -> bool:
+        """Some output is read by a ``transpose`` (seen through casts)."""
+        return any(b & TRANSPOSED for b in self.out_bits)
 
     @property
     def summed(self) -> bool:
@@ -339,8 +347,12 @@ def _eqn_in_bits(eqn: Any, outs: tuple[int, ...]) -> tuple[list[int], dict]:
     if named_subs(eqn.params):  # unknown higher-order primitive: conservative
         return [REACH] * n, {}
     passed = 0
-    if name in _PASS:
-        passed = 0
+    if name == "transpose":
+        passed = TRANSPOSED
+    elif name in ("convert_element_type", "copy", "copy_p", "reduce_precision"):
+        for b in outs:
+            passed |= b & (WIDE | SUM | TRANSPOSED)
+    elif name in _PASS:
         for b in outs:
             passed |= b & (WIDE | SUM)
     elif name in _WIDE_USES:

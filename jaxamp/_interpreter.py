@@ -284,7 +284,8 @@ class RuleCall:
         """Bind the primitive (float32 sums of derived broadcasts, a product
         the backend can run, overflow check)."""
         outs = _reductions.bind(self.prim, new_in, new_params)
-        outs = _compat.runnable_product(self.prim, new_in, new_params, outs)
+        transposed = _facts.current_facts().transposed
+        outs = _compat.runnable_product(self.prim, new_in, new_params, outs, transposed)
         return _overflow.poison(self.prim.name, new_in, outs)
 
     def apply(self, *vals: Any) -> Any:
