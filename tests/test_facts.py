@@ -775,3 +775,46 @@ def test_recomputed_inputs_only_inside_a_checkpoint():
     # a, b: used inside checkpoints only (also through a jit); c: also outside
     # one; d: unused.
     assert _hoist.recomputed_inputs(closed) == (True, True, False, False)
+
+
+def test_transposed_products_are_found_through_casts_and_calls():
+    """``TRANSPOSED``: a product read by a ``transpose`` (directly, through a
+    cast, or as the output of a ``jit``) is marked; one read by other ops is
+    not. amp puts an ``optimization_barrier`` only on those on XLA:CPU."""
+    w, x = jnp.ones((10, 64)), jnp.ones((16, 64))
+    direct = lambda w, x: jnp.tanh((w @ x.T).T)
+    cast = lambda w, x: (w @ x.T).astype(jnp.bfloat16).T
+    called = lambda w, x: jax.jit(lambda a, b: a @ b.T)(w, x).T
+    plain = lambda w, x: jnp.tanh(w @ x.T)
+    for f, expected in ((direct, True), (cast, True), (plain, False)):
+        facts = [
+            ef for e, ef in _facts_of(f, w, x) if e.primitive.name == "dot_general"
+        ]
+        assert [ef.transposed for ef in facts] == [expected], f
+    closed = jax.make_jaxpr(called)(w, x)
+    (call,) = [e for e in closed.jaxpr.eqns if e.primitive.name in ("pjit", "jit")]
+    outer = _facts.analyse(closed.jaxpr, (0,)).eqns
+    (k,) = [i for i, e in enumerate(closed.jaxpr.eqns) if e is call]
+    inner_jaxpr = call.params["jaxpr"].jaxpr
+    inner = zip(inner_jaxpr.eqns, _facts.analyse(inner_jaxpr, outer[k].out_bits).eqns)
+    assert [f.transposed for e, f in inner if e.primitive.name == "dot_general"] == [
+        True
+    ]
+
+
+def test_barrier_only_on_transposed_float32_products():
+    """On CPU the vmapped head's product gets an ``optimization_barrier``; the
+    same head without vmap (no transpose) does not."""
+    w = jnp.ones((10, 64)) / 64
+    x = jnp.ones((16, 64))
+
+    def barriers(f):
+        closed = jax.make_jaxpr(jaxamp.amp(f, compute_dtype=jnp.bfloat16))(w, x)
+        names = [e.primitive.name for e, _ in jaxamp.iter_equations(closed)]
+        return [n for n in names if n == "optimization_barrier"]
+
+    vmapped = lambda w, x: jax.nn.logsumexp(jax.vmap(lambda r: w @ r)(x), -1).sum()
+    plain = lambda w, x: jax.nn.logsumexp(x @ w.T, -1).sum()
+    on_cpu = jax.default_backend() == "cpu"
+    assert len(barriers(vmapped)) == int(on_cpu)
+    assert barriers(plain) == []
