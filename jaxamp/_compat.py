@@ -7,6 +7,7 @@ Each item names the JAX version that made it necessary. Supported: JAX 0.10.x
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -135,9 +136,20 @@ def runnable_product(
     return jax.lax.optimization_barrier(outs)
 
 
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
 def source_line(eqn: Any) -> str:
-    """``"file.py:LINE:COL (function)"`` of the user code behind an equation.
-    JAX 0.10 / 0.11: only the private source_info_util summarises it."""
+    """``"file.py:LINE:COL (function)"`` of the user code behind an equation:
+    the innermost frame outside JAX and jaxamp (an equation jaxamp emits for
+    the user's call, e.g. re-dispatched attention, names that call). JAX 0.10
+    / 0.11: only the private source_info_util walks and summarises frames."""
+    tb = eqn.source_info.traceback
+    for frame in _siu.user_frames(tb):
+        if not frame.file_name.startswith(_PACKAGE_DIR):
+            line, col = frame.start_line, frame.start_column
+            where = f"{line}:{col}" if col else f"{line}"
+            return f"{frame.file_name}:{where} ({frame.function_name})"
     return _siu.summarize(eqn.source_info)
 
 

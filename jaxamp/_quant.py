@@ -80,6 +80,7 @@ from . import _state
 from ._dtypes import is_float
 from ._quant_common import (
     INT8_SCOPE,
+    KEPT_SCOPE,
     WEIGHT_CHOICES,
     Dims,
     check_size_rule,
@@ -269,7 +270,8 @@ def _grad_product(g, other, product, d, recipe, quantized, seed, cd):
     if not quantized:
         # Output in the compute dtype, as the default rule emits it: XLA:CPU
         # rejects bf16 x bf16 -> f32 dots inside loops (DotThunk).
-        return call(g.astype(cd), other.astype(cd), cd)
+        with jax.named_scope(KEPT_SCOPE):
+            return call(g.astype(cd), other.astype(cd), cd)
     if other.dtype != I8:  # forward not quantized: per-tensor weight scale
         other, s_other = int8_quantize(other)
         g = g * (np.float32(1) / s_other.reshape(()))

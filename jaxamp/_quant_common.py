@@ -41,6 +41,8 @@ SizeRule = Callable[[int, int, int], bool]
 INT8_SCOPE = "amp_int8_matmul"
 FP8_SCOPE = "amp_fp8_matmul"
 SMALL_SCOPE = "amp_small_matmul"
+# A gradient product the int8 recipe keeps in the compute dtype (wgrad by default).
+KEPT_SCOPE = "amp_kept_matmul"
 
 
 def torchao_tensorwise_size_rule(m: int, k: int, n: int) -> bool:

@@ -11,10 +11,17 @@ import numpy as np
 
 from . import _compat
 from ._analysis import matmul_flops_by_dtype
+from ._attention import FUSED_SCOPE
 from ._dtypes import is_float
-from ._quant_common import FP8_SCOPE, INT8_SCOPE, SMALL_SCOPE, Dims
+from ._quant_common import FP8_SCOPE, INT8_SCOPE, KEPT_SCOPE, SMALL_SCOPE, Dims
 
-_MARKERS = {INT8_SCOPE, FP8_SCOPE, SMALL_SCOPE}
+# jaxamp's own scopes and JAX's name for a jax.checkpoint body: not the user's.
+_MARKERS = {INT8_SCOPE, FP8_SCOPE, SMALL_SCOPE, KEPT_SCOPE, "rematted_computation"}
+_REASONS = (
+    (SMALL_SCOPE, "below the size rule"),
+    (KEPT_SCOPE, "kept in the compute dtype by the recipe"),
+    (FUSED_SCOPE, "fused attention"),
+)
 
 
 def _is_8bit(name: str) -> bool:
@@ -55,9 +62,11 @@ class MatmulRecord(NamedTuple):
         flops: FLOPs per call of the function (``scan`` bodies weighted by
             their length).
         reason: why an unquantized product stayed in its format: ``"below
-            the size rule"`` (an 8-bit policy skipped it), ``"integer
-            operands"``, or ``"not quantized by the policy"``; ``""`` for an
-            8-bit product.
+            the size rule"`` (an 8-bit policy skipped it), ``"kept in the
+            compute dtype by the recipe"`` (int8's default wgrad),
+            ``"fused attention"`` (re-dispatched attention, never quantized),
+            ``"integer operands"``, or ``"not quantized by the policy"``;
+            ``""`` for an 8-bit product.
     """
 
     scope: str
@@ -96,13 +105,15 @@ def _record(eqn: Any, weight: float, scopes: tuple) -> MatmulRecord:
         reason = ""
     else:
         fmt = names[0] if names[0] == names[1] else " x ".join(names)
-        if SMALL_SCOPE in scopes:
-            reason = "below the size rule"
+        reasons = [text for scope, text in _REASONS if scope in scopes]
+        if reasons:
+            reason = reasons[0]
         elif not all(map(is_float, names)):
             reason = "integer operands"
         else:
             reason = "not quantized by the policy"
-    user = "/".join(s for s in scopes if s not in _MARKERS and not s.startswith("jax"))
+    own = [s for s in scopes if s not in _MARKERS and not s.startswith("jax")]
+    user = "/".join(s for i, s in enumerate(own) if i == 0 or s != own[i - 1])
     flops = 2.0 * batch * m * k * n * weight
     return MatmulRecord(
         user, _compat.source_line(eqn), (batch, m, k, n), fmt, flops, reason

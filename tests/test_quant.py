@@ -201,6 +201,38 @@ def test_report_names_scopes_shapes_and_formats():
     assert layers == 2 * 2 * B * T * D * D * (3 + 1 + 4 + 4)  # 2 layers (scan)
 
 
+def test_gradient_report_gives_each_reason_and_the_users_line():
+    """``quantization_report`` of ``jax.grad``: re-dispatched attention's
+    products report ``"fused attention"`` at the user's call, the bf16 wgrad
+    ``"kept in the compute dtype by the recipe"``, and a checkpointed layer's
+    scope is the user's (no ``rematted_computation``, no repeats)."""
+    b, t, d, h = 2, 16, 64, 4
+    w = {n: normal(i, (d, d), 1 / 8) for i, n in enumerate(["q", "k", "v", "up"])}
+    x = normal(9, (b, t, d))
+
+    def loss(w, x):
+        with jax.named_scope("attn"):
+            q, k, v = ((x @ w[n]).reshape(b, t, h, d // h) for n in ("q", "k", "v"))
+            o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        with jax.named_scope("mlp"):
+            up = jax.checkpoint(lambda o, u: jax.nn.gelu(o @ u))
+            return jnp.mean(up(o.reshape(b, t, d), w["up"]) ** 2)
+
+    amp8 = jaxamp.amp(
+        loss, compute_dtype=BF16, amp_policy=jaxamp.int8_policy(size_rule=None)
+    )
+    report = jaxamp.quantization_report(jax.grad(amp8), w, x)
+    reasons = {(r.scope, r.format, r.reason) for r in report}
+    assert reasons == {
+        ("attn", "int8", ""),
+        ("attn", "bfloat16", "fused attention"),
+        ("attn", "bfloat16", "kept in the compute dtype by the recipe"),
+        ("mlp", "int8", ""),
+        ("mlp", "bfloat16", "kept in the compute dtype by the recipe"),
+    }
+    assert all(r.source.split(":")[0].endswith("test_quant.py") for r in report)
+
+
 @pytest.mark.parametrize("granularity", ["rowwise", "tensorwise"])
 def test_scales_are_per_row_and_column_or_per_tensor(granularity):
     x = normal(2, (B, T, D))
