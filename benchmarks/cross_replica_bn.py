@@ -59,7 +59,7 @@ separates a change of numerics from the draw-to-draw spread), and the number
 of bfloat16 ``sub`` equations in each variant's gradient jaxpr
 (``jaxamp.iter_equations`` over ``jax.make_jaxpr(jax.grad(...))``): a
 ``x - mean`` of a BatchNorm in bfloat16 is what loses the normalisation's
-precision (issue 23).
+precision.
 
 Needs 4 host devices for shard_map (8 are requested through ``XLA_FLAGS``
 unless already set, before JAX starts).
