@@ -96,10 +96,10 @@ def centring(eqn: Any, producer: dict) -> bool:
     The walk from ``m`` back to its ``reduce_sum`` passes the mean's steps
     (:data:`_MEAN_STEPS`), collective sums, sums of partial sums and the
     packing of several statistics reduced together or gathered from devices
-    (:data:`_PACKING`); through a packing it
-    follows every operand (at most 16 steps in all), so ``m`` qualifies if
-    any statistic packed with it is a mean of ``x``: a false positive keeps
-    the subtraction in float32, never less precise.
+    (:data:`_PACKING`). Through a packing it follows every operand (at most 16
+    steps in all), so ``m`` qualifies if any statistic packed with it is a
+    mean of ``x``: a false positive keeps the subtraction in float32, never
+    less precise.
     """
     if eqn.primitive.name != "sub" or len(eqn.invars) != 2:
         return False
