@@ -47,14 +47,11 @@ from . import _compat
 from ._dtypes import is_float
 from ._quant_common import (
     FP8_SCOPE,
-    Dims,
     check_size_rule,
-    compute_dtype_dot,
+    eight_bit_rule,
     scoped_policy,
     torchao_tensorwise_size_rule,
-    weight_last,
 )
-from ._rules import use_compute_precision
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
@@ -232,26 +229,13 @@ def fp8_rule(
         :func:`fp8_policy`).
     """
 
-    def rule(compute_dtype, original_dtypes, lhs, rhs, **params):
-        if not (is_float(lhs.dtype) and is_float(rhs.dtype)):
-            new_in, new_params = use_compute_precision(
-                compute_dtype, original_dtypes, lhs, rhs, **params
-            )
-            return jax.lax.dot_general_p.bind(*new_in, **new_params)
-        if np.dtype(lhs.dtype).itemsize == 1 or np.dtype(rhs.dtype).itemsize == 1:
-            return jax.lax.dot_general_p.bind(lhs, rhs, **params)
-        dn = params["dimension_numbers"]
-        a, w, dn_aw, _ = weight_last(lhs, rhs, dn, "auto")  # N: the weight's
-        if not size_rule(*Dims.of(dn_aw, a.ndim, w.ndim).mkn(a.shape, w.shape)):
-            return compute_dtype_dot(compute_dtype, lhs, rhs, params)
+    def quantized(lhs, rhs, dn, compute_dtype):
         dtype = np.dtype(compute_dtype if out_dtype is None else out_dtype)
-        with jax.named_scope(FP8_SCOPE):
-            return fp8_dot_general(lhs, rhs, dn, dtype, margin, power_of_two)
+        return fp8_dot_general(lhs, rhs, dn, dtype, margin, power_of_two)
 
     size_rule = check_size_rule(size_rule, "fp8_rule")
-    rule.amp_impl = True
-    rule.__name__ = f"fp8_rule(margin={margin}, power_of_two={power_of_two})"
-    return rule
+    name = f"fp8_rule(margin={margin}, power_of_two={power_of_two})"
+    return eight_bit_rule(name, size_rule, "auto", FP8_SCOPE, quantized)
 
 
 def fp8_policy(

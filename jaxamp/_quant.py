@@ -84,14 +84,13 @@ from ._quant_common import (
     WEIGHT_CHOICES,
     Dims,
     check_size_rule,
-    compute_dtype_dot,
     dgrad,
+    eight_bit_rule,
     scoped_policy,
     torchao_rowwise_size_rule,
     weight_last,
     wgrad,
 )
-from ._rules import use_compute_precision
 
 F32, I8, I32, U32 = (np.dtype(t) for t in (jnp.float32, jnp.int8, jnp.int32, "uint32"))
 QMAX = 127.0
@@ -460,25 +459,12 @@ def int8_rule(
     weight = _check_weight("int8_rule", weight)
     seed_source = _seed_source(key)
 
-    def rule(compute_dtype, original_dtypes, lhs, rhs, **params):
-        if not (is_float(lhs.dtype) and is_float(rhs.dtype)):
-            new_in, new_params = use_compute_precision(
-                compute_dtype, original_dtypes, lhs, rhs, **params
-            )
-            return jax.lax.dot_general_p.bind(*new_in, **new_params)
-        if np.dtype(lhs.dtype).itemsize == 1 or np.dtype(rhs.dtype).itemsize == 1:
-            return jax.lax.dot_general_p.bind(lhs, rhs, **params)
-        dn = params["dimension_numbers"]
-        a, w, dn_aw, _ = weight_last(lhs, rhs, dn, weight)
-        if not size_rule(*Dims.of(dn_aw, a.ndim, w.ndim).mkn(a.shape, w.shape)):
-            return compute_dtype_dot(compute_dtype, lhs, rhs, params)
-        with jax.named_scope(INT8_SCOPE):
-            seed = seed_source()
-            return _weight_last_dot(lhs, rhs, seed, dn, compute_dtype, recipe, weight)
+    def quantized(lhs, rhs, dn, compute_dtype):
+        seed = seed_source()
+        return _weight_last_dot(lhs, rhs, seed, dn, compute_dtype, recipe, weight)
 
-    rule.amp_impl = True
-    rule.__name__ = f"int8_rule({recipe})"
-    return rule
+    name = f"int8_rule({recipe})"
+    return eight_bit_rule(name, size_rule, weight, INT8_SCOPE, quantized)
 
 
 def int8_policy(

@@ -32,7 +32,7 @@ import numpy as np
 
 from ._amp_policy import builtin_rule
 from ._dtypes import is_float
-from ._rules import default_amp_policy
+from ._rules import default_amp_policy, use_compute_precision
 
 SizeRule = Callable[[int, int, int], bool]
 
@@ -347,6 +347,44 @@ def wgrad(
     # paired with an rhs contracting dim), then g's rhs-free dims.
     src = list(d.rb) + [d.rc[d.lc.index(c)] for c in rest] + list(d.rf)
     return jax.numpy.transpose(out, np.argsort(src))
+
+
+def eight_bit_rule(
+    name: str,
+    size_rule: SizeRule,
+    weight: str,
+    scope: str,
+    quantized: Callable[[jax.Array, jax.Array, Any, Any], jax.Array],
+) -> Callable:
+    """An amp implementation rule (``amp_impl = True``) for ``dot_general``
+    that runs ``quantized(lhs, rhs, dimension_numbers, compute_dtype)`` inside
+    ``jax.named_scope(scope)``, shared by the int8 and FP8 rules.
+
+    Integer products take the compute-dtype rule; products with an 8-bit
+    operand (quantized by the user) are bound unchanged; a product that
+    ``size_rule`` rejects (on the forward product's ``(m, k, n)``, the weight
+    per :func:`weight_last` with ``weight``) runs in the compute dtype
+    (:func:`compute_dtype_dot`).
+    """
+
+    def rule(compute_dtype, original_dtypes, lhs, rhs, **params):
+        if not (is_float(lhs.dtype) and is_float(rhs.dtype)):
+            new_in, new_params = use_compute_precision(
+                compute_dtype, original_dtypes, lhs, rhs, **params
+            )
+            return jax.lax.dot_general_p.bind(*new_in, **new_params)
+        if np.dtype(lhs.dtype).itemsize == 1 or np.dtype(rhs.dtype).itemsize == 1:
+            return jax.lax.dot_general_p.bind(lhs, rhs, **params)
+        dn = params["dimension_numbers"]
+        a, w, dn_aw, _ = weight_last(lhs, rhs, dn, weight)
+        if not size_rule(*Dims.of(dn_aw, a.ndim, w.ndim).mkn(a.shape, w.shape)):
+            return compute_dtype_dot(compute_dtype, lhs, rhs, params)
+        with jax.named_scope(scope):
+            return quantized(lhs, rhs, dn, compute_dtype)
+
+    rule.amp_impl = True
+    rule.__name__ = name
+    return rule
 
 
 def compute_dtype_dot(
