@@ -18,13 +18,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _attention, _compat, _higher_order, _nnx, _overflow, _rmsnorm
-from ._amp_policy import AMP_REGION, AmpPolicy
-from ._cast import cast_cache, restore
-from ._dtypes import canonical_dtype, limited_range
-from ._interpreter import AmpContext, Pipeline, eval_jaxpr
-from ._policy_context import policy_compute_dtype
-from ._rules import Rule, default_amp_policy
+from . import _compat, _nnx
+from ._base import _overflow
+from ._base._ambient_policy import policy_compute_dtype
+from ._base._cast import cast_cache, restore
+from ._base._dtypes import canonical_dtype, limited_range
+from ._policy._lookup import AMP_REGION, AmpPolicy
+from ._policy._rules import Rule, default_amp_policy
+from ._rewrites import _attention, _rmsnorm
+from ._walk import _higher_order
+from ._walk._loop import AmpContext, Pipeline, eval_jaxpr
 
 # The tables every amp walks with: the higher-order rules (a live view:
 # rules registered later apply) and the pattern rewrites, attention first.

@@ -1,4 +1,4 @@
-"""Tests of the measuring helpers (jaxamp/_analysis.py), against FLOP and byte
+"""Tests of the measuring helpers (jaxamp/_tools/_measure.py), against FLOP and byte
 counts computed by hand."""
 
 import jax

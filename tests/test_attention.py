@@ -1,4 +1,4 @@
-"""Fused attention under amp (jaxamp/_attention.py, issue 12).
+"""Fused attention under amp (jaxamp/_rewrites/_attention.py, issue 12).
 
 Every model is checked twice: on the jaxpr (which equations were recognised,
 that amp bound a re-dispatched attention, in the ``jaxamp_fused_attention``
@@ -17,8 +17,9 @@ import pytest
 from helpers import rel_l2, round_bf16
 
 import jaxamp
-from jaxamp import _attention, _compat
-from jaxamp._attention import _kernels, _match  # noqa: F401 (the modules under test)
+from jaxamp import _compat
+from jaxamp._rewrites import _attention
+from jaxamp._rewrites._attention import _kernels, _match  # noqa: F401 (the modules under test)
 
 BF16 = np.dtype(jnp.bfloat16)
 F32 = np.dtype(jnp.float32)

@@ -1,5 +1,5 @@
 """Statistics summed across devices keep their float32 normalisation
-(jaxamp/_patterns.py, ``COLLECTIVE_SUMS`` and ``_PACKING``): a mean or a sum of
+(jaxamp/_values/_patterns.py, ``COLLECTIVE_SUMS`` and ``_PACKING``): a mean or a sum of
 squares reduced with ``psum`` / ``pmean`` (``shard_map``, ``vmap`` with an
 ``axis_name``), or gathered with ``all_gather`` and summed, is recognised as it
 is locally, so cross-replica BatchNorm and tensor-parallel LayerNorm / RMSNorm
@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxamp
-from jaxamp import _patterns
+from jaxamp._values import _patterns
 
 BF16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
 D, B = 64, 16

@@ -1,11 +1,11 @@
-"""Tests of the dtype helpers (jaxamp/_dtypes.py)."""
+"""Tests of the dtype helpers (jaxamp/_base/_dtypes.py)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxamp._dtypes import canonical_dtype, is_float, widest
+from jaxamp._base._dtypes import canonical_dtype, is_float, widest
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""The value-facts analysis (jaxamp/_facts.py) and the default rules that read it:
+"""The value-facts analysis (jaxamp/_values/_facts.py) and the default rules that read it:
 range safety for float16, the float32 loss chain, float32 logits of a softmax,
 mixed-dtype primitives, linear algebra and per-carry scan decisions.
 
@@ -16,7 +16,11 @@ import pytest
 from helpers import rel_l2
 
 import jaxamp
-from jaxamp import _amp, _facts, _hoist, _rmsnorm, _state
+from jaxamp import _amp
+from jaxamp._base import _state
+from jaxamp._rewrites import _rmsnorm
+from jaxamp._values import _facts
+from jaxamp._walk import _scan_hoist
 
 F32, BF16, F16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)
 
@@ -756,14 +760,14 @@ def test_narrowed_inputs_sees_through_jit_and_checkpoint():
         )
 
     closed = jax.make_jaxpr(f)(*[_V] * 6)
-    assert _hoist.narrowed_inputs(closed) == (_BF16, _BF16, None, None, None, None)
+    assert _scan_hoist.narrowed_inputs(closed) == (_BF16, _BF16, None, None, None, None)
 
 
 def test_narrowed_inputs_ignores_unused_and_non_float_inputs():
     closed = jax.make_jaxpr(
         lambda a, i, w: (i.astype(jnp.int8), w.astype(jnp.float16))
     )(_V, jnp.ones(3, jnp.int32), _V)
-    assert _hoist.narrowed_inputs(closed) == (None, None, _F16)
+    assert _scan_hoist.narrowed_inputs(closed) == (None, None, _F16)
 
 
 def test_recomputed_inputs_only_inside_a_checkpoint():
@@ -774,7 +778,7 @@ def test_recomputed_inputs_only_inside_a_checkpoint():
     closed = jax.make_jaxpr(f)(*[_V] * 4)
     # a, b: used inside checkpoints only (also through a jit); c: also outside
     # one; d: unused.
-    assert _hoist.recomputed_inputs(closed) == (True, True, False, False)
+    assert _scan_hoist.recomputed_inputs(closed) == (True, True, False, False)
 
 
 def test_transposed_products_are_found_through_casts_and_calls():

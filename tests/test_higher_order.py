@@ -1,4 +1,4 @@
-"""Tests of the higher-order registry (jaxamp/_higher_order.py): every sub-jaxpr
+"""Tests of the higher-order registry (jaxamp/_walk/_higher_order.py): every sub-jaxpr
 is rewritten, signatures stay identical, and custom derivative rules still run."""
 
 import functools
@@ -15,7 +15,8 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import jaxamp
-from jaxamp import _amp, _compat, _higher_order
+from jaxamp import _amp, _compat
+from jaxamp._walk import _higher_order
 
 BF16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 F16 = np.dtype(jnp.float16)

@@ -1,4 +1,4 @@
-"""Tests of the equation loop (jaxamp/_interpreter.py): policy lookup order,
+"""Tests of the equation loop (jaxamp/_walk/_loop.py): policy lookup order,
 cast deduplication, values that are never cast, and rule-result checks."""
 
 import re
@@ -10,7 +10,7 @@ import pytest
 
 import jaxamp
 from jaxamp import _amp
-from jaxamp._amp_policy import AmpPolicy
+from jaxamp._policy._lookup import AmpPolicy
 
 BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32)
 

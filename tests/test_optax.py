@@ -1,4 +1,4 @@
-"""Tests of the optax integration (jaxamp/_optax.py): a step with non-finite
+"""Tests of the optax integration (jaxamp/_training/_optax.py): a step with non-finite
 gradients changes nothing and is counted; the next finite step updates."""
 
 import equinox as eqx

@@ -1,4 +1,4 @@
-"""Forward overflows are never silent (jaxamp/_overflow.py): find_overflows names
+"""Forward overflows are never silent (jaxamp/_base/_overflow.py): find_overflows names
 the equation and its source line, overflow_check turns a fresh float16 overflow
 into NaN so that the step is skipped and counted, and a float16 model whose
 residual stream grows past 256 trains like float32.

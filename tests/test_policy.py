@@ -1,4 +1,4 @@
-"""Tests of the jmp-style Policy and the cast_* pytree helpers (jaxamp/_policy.py)."""
+"""Tests of the jmp-style Policy and the cast_* pytree helpers (jaxamp/compat/_jmp.py)."""
 
 import equinox as eqx
 import jax

@@ -1,4 +1,4 @@
-"""Tests of Int8 training (jaxamp/_quant.py) and the 8-bit size rule / report.
+"""Tests of Int8 training (jaxamp/_quant/_int8.py) and the 8-bit size rule / report.
 
 Error model for the accuracy bounds: symmetric int8 rounding to nearest with an
 ``amax / 127`` step has absolute error at most half a step per element, i.e.
@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxamp
-from jaxamp._quant import rounding_noise
+from jaxamp._quant._int8 import rounding_noise
 
 BF16, F32, I8, I32 = (np.dtype(t) for t in (jnp.bfloat16, jnp.float32, "int8", "int32"))
 DN = (((1,), (0,)), ((), ()))
@@ -397,7 +397,7 @@ def test_equinox_and_flax_nnx_models():
     eqx = pytest.importorskip("equinox")
     nnx = pytest.importorskip("flax.nnx")
     # 200 examples: more than the first layer's 128 outputs (so that it reads
-    # as the weight: jaxamp._quant_common.weight_operand, test 5), and no
+    # as the weight: jaxamp._quant._common.weight_operand, test 5), and no
     # activation the size of a weight.
     x = normal(9, (200, 64))
     pol = jaxamp.int8_policy(size_rule=None)
@@ -443,7 +443,7 @@ def _linear_cases():
     """(name, loss(model, x), model, x, the layer's weight, its input's size):
     one linear layer each (in the last case the second of two), inputs in
     the hundreds (pre-rounded to bfloat16), and in the comment what decides
-    which operand is the weight (jaxamp._quant_common.weight_operand)."""
+    which operand is the weight (jaxamp._quant._common.weight_operand)."""
     eqx = pytest.importorskip("equinox")
     x, w = normal(20, (64, 32), 100.0), normal(21, (32, 48), 0.1)
     lin = eqx_model(eqx.nn.Linear, 32, 16, seed=22)  # weight (16, 32)

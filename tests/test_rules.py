@@ -1,4 +1,4 @@
-"""Tests of the rule functions and the default policy table (jaxamp/_rules.py)."""
+"""Tests of the rule functions and the default policy table (jaxamp/_policy/_rules.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jaxamp
-from jaxamp import _cast
+from jaxamp._base import _cast
 
 BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32)
 

@@ -1,4 +1,4 @@
-"""Tests of loss scaling (jaxamp/_scaler.py): the exact scaler state machine,
+"""Tests of loss scaling (jaxamp/_training/_scaler.py): the exact scaler state machine,
 unscaling with the scale that produced the gradients, bounds that survive
 jit / tree_map / savez, errors on bad input, and a float16 model that only trains
 with scaling."""

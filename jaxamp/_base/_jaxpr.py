@@ -1,0 +1,82 @@
+"""Reading and evaluating jaxprs: the helpers every pass shares.
+
+An environment maps a jaxpr's variables to values; literals carry their own.
+:func:`evaluate` is the plain walk (bind each equation through a callback)
+that the scan-hoisting replay and :func:`jaxamp.find_overflows` run; the amp
+interpreter (``_interpreter.py``) has its own loop for its regions, on the
+same :func:`read` / :func:`write`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .. import _compat
+
+
+def is_var(v: Any) -> bool:
+    """True for a jaxpr variable, False for a literal."""
+    return not isinstance(v, _compat.Literal)
+
+
+def read(env: dict, v: Any) -> Any:
+    """The value of jaxpr variable or literal ``v`` in ``env``."""
+    return v.val if isinstance(v, _compat.Literal) else env[v]
+
+
+def write(env: dict, eqn: Any, outs: Any) -> None:
+    """Bind ``eqn``'s output variables to ``outs`` (a list for primitives with
+    multiple results, else one value)."""
+    if eqn.primitive.multiple_results:
+        env.update(zip(eqn.outvars, outs))
+    else:
+        env[eqn.outvars[0]] = outs
+
+
+def named_subs(params: dict) -> list[tuple[Any, Any]]:
+    """``(param value, core jaxpr)`` of each sub-jaxpr of an equation
+    (tuple-valued params such as ``cond``'s branches included)."""
+    out = []
+    for val in params.values():
+        for sub in val if isinstance(val, (tuple, list)) else (val,):
+            if _compat.is_jaxpr(sub):
+                out.append((sub, _compat.jaxpr_parts(sub)[0]))
+    return out
+
+
+def bind_eqn(eqn: Any, invals: Sequence[Any], params: dict | None = None) -> list:
+    """Bind ``eqn``'s primitive on ``invals`` (with ``params`` in place of its
+    own, if given) under its source info and name stack; a list of outputs."""
+    params = eqn.params if params is None else params
+    with _compat.eqn_context(eqn):
+        out = _compat.bind(
+            eqn.primitive, invals, _compat.bind_params(eqn.primitive, params)
+        )
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def evaluate(
+    core: Any,
+    consts: Sequence[Any],
+    args: Sequence[Any],
+    eval_eqn: Callable[[Any, list], list],
+) -> list:
+    """Evaluate open jaxpr ``core`` on ``consts`` and ``args``.
+
+    Args:
+        core: an open jaxpr.
+        consts: values of ``core.constvars``.
+        args: values of ``core.invars``.
+        eval_eqn: ``eval_eqn(eqn, invals) -> list of outputs`` for each
+            equation, in order (:func:`bind_eqn` binds it as it is).
+
+    Returns:
+        The values of ``core.outvars``.
+    """
+    env = dict(zip(core.constvars, consts))
+    env.update(zip(core.invars, args))
+    for eqn in core.eqns:
+        outs = eval_eqn(eqn, [read(env, v) for v in eqn.invars])
+        env.update(zip(eqn.outvars, outs))
+    return [read(env, v) for v in core.outvars]

@@ -1,0 +1,145 @@
+"""What the backward pass saves: re-cast held inputs instead of saving copies.
+
+JAX derives the backward pass from the rewritten forward pass and saves, as
+residuals, the values its derivatives read. Three choices keep those lean, as
+a careful hand-written model keeps them (see ``docs/design.md``, "Residuals"):
+
+* A matmul whose down-cast inputs are all *held* (alive for the whole step
+  anyway: :attr:`jaxamp._state.WalkState.held`) runs inside a
+  ``jax.checkpoint`` (named scope :data:`RECAST_SCOPE`) that re-casts them in
+  the backward pass: the low-precision copy of a weight is not a residual.
+* A default-rule matmul of a wide activation and a held weight casts the
+  activation first (its low-precision copy is a residual either way), so that
+  the weight can take the re-casting path (:func:`_narrow_activations`).
+* A square widened to float32 re-casts its low-precision input in the
+  backward pass: the float32 copy would be a residual twice the activation's
+  bytes. Inside a user's ``jax.checkpoint`` none of this applies: its own
+  policy decides what is saved.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from .. import _compat
+from .._base import _state
+from .._base._cast import cast, cast_cache
+from .._base._dtypes import dtype_of, is_float, is_low
+from .._base._prims import MATMULS, REMATS
+from .._values._facts import current_facts
+from ._rules import use_lower_precision
+
+# Scope of the checkpoints added around an equation to re-cast its inputs in
+# the backward pass: the scan rule inlines one whose casts it moved before the
+# loop (is_recast).
+RECAST_SCOPE = "jaxamp_recast"
+
+
+def is_held(x: Any) -> bool:
+    """True if ``x`` is an input of the current walk that is alive for the step."""
+    held = _state.current().held
+    return held is not None and held.get(id(x)) is x
+
+
+def is_recast(eqn: Any) -> bool:
+    """``eqn`` is a re-casting checkpoint added here (not a user's)."""
+    return eqn.primitive.name in REMATS and RECAST_SCOPE in _compat.scope_names(eqn)
+
+
+def bind_saving_less(call: Any, invals: Sequence[Any], narrow: bool = True) -> Any:
+    """Bind one equation under its rule, choosing what its backward pass saves.
+
+    Args:
+        call: the equation's rule call: ``call.name`` (the primitive's name),
+            ``call.rule``, ``call.original`` (its traced input dtypes),
+            ``call.compute_dtype``, ``call.decide(*vals) -> (inputs, params)``,
+            ``call.bind(params, *inputs)`` and ``call.apply(*vals)`` (decide,
+            then bind).
+        invals: the equation's current input values.
+        narrow: cast a default-rule matmul's activations before its held
+            inputs (:func:`_narrow_activations`); False for ablations.
+
+    Returns:
+        The equation's outputs.
+    """
+    if narrow and call.name in MATMULS and call.rule is use_lower_precision:
+        invals = _narrow_activations(invals, call.original, call.compute_dtype)
+    if call.name in MATMULS and _casts_only_held(invals, call.compute_dtype):
+        return recomputing_casts(call.apply, invals)
+    # A square widened to float32 re-casts its low-precision input. An
+    # RMSNorm's square casts outside and recomputes only itself (2 * x): its
+    # float32 copy of x is the one the scaling saves, and sharing it sums the
+    # two cotangents of x (which nearly cancel) in float32 before one rounding.
+    facts = current_facts()
+    if facts.quadratic and any(map(is_low, invals)) and not _state.current().recomputed:
+        if facts.rms_operand:
+            new_in, new_params = call.decide(*invals)
+            return recomputing_casts(functools.partial(call.bind, new_params), new_in)
+        return recomputing_casts(call.apply, invals)
+    return call.apply(*invals)
+
+
+def _narrow_activations(
+    invals: Sequence[Any], original: Sequence[Any], compute_dtype: np.dtype
+) -> list[Any]:
+    """Cast the wide float inputs of a default-rule matmul that are not held
+    (activations: a float32 RMSNorm output) to the compute dtype, as the rule
+    would, before the held ones (weights) are left to :func:`_casts_only_held`:
+    the activation's low-precision copy is a residual either way, the weight's
+    copy need not be. Only where no held input is read by another equation
+    too: a weight that several matmuls read keeps its one cached copy (the cast
+    cache), instead of a cast per matmul in both passes. Inputs of a matmul
+    traced with mixed float dtypes stay."""
+    invals = list(invals)
+    floats = {np.dtype(d) for d, x in zip(original, invals) if is_float(d)}
+    shared = current_facts().shared_inputs or (True,) * len(invals)
+    held = [is_held(x) for x in invals]
+    if len(floats) > 1 or not any(held) or any(h and s for h, s in zip(held, shared)):
+        return invals
+    width = np.dtype(compute_dtype).itemsize
+    return [
+        cast(x, compute_dtype)
+        if isinstance(x, jax.Array)
+        and is_float(dtype_of(x))
+        and x.dtype.itemsize > width
+        and not is_held(x)
+        else x
+        for x in invals
+    ]
+
+
+def _casts_only_held(invals: Sequence[Any], compute_dtype: np.dtype) -> bool:
+    """Some input is a held float wider than the compute dtype, and every other
+    float input is at most as wide (so nothing but held values gets narrowed)."""
+    width = np.dtype(compute_dtype).itemsize
+    wide = [
+        x
+        for x in invals
+        if isinstance(x, jax.Array)
+        and is_float(dtype_of(x))
+        and x.dtype.itemsize > width
+    ]
+    return bool(wide) and all(is_held(x) for x in wide)
+
+
+def recomputing_casts(apply: Callable, invals: Sequence[Any]) -> Any:
+    """``apply(*invals)`` inside ``jax.checkpoint``: the backward pass saves the
+    held wide inputs (alive anyway) and re-casts them, instead of saving their
+    low-precision copies. ``prevent_cse`` stays on so that XLA cannot merge the
+    recomputed cast with the forward one and keep the copy alive after all."""
+    idx = [i for i, x in enumerate(invals) if isinstance(x, jax.Array)]
+
+    def run(*arrays):
+        vals = list(invals)
+        for i, a in zip(idx, arrays):
+            vals[i] = a
+        with cast_cache():  # casts traced here must not leak to the outer walk
+            return apply(*vals)
+
+    with jax.named_scope(RECAST_SCOPE):
+        return jax.checkpoint(run)(*(invals[i] for i in idx))

@@ -1,0 +1,301 @@
+"""FP8 matmuls as one more amp rule: per-tensor current scaling, direct
+quantization, E4M3 forward and E5M2 gradients.
+
+Recipe (Micikevicius et al. 2022, "FP8 Formats for Deep Learning",
+https://arxiv.org/abs/2209.05433; NVIDIA Transformer Engine's
+``Float8CurrentScaling`` with its ``HYBRID`` format,
+https://nvidia.github.io/TransformerEngine/api/common.html; torchao's float8
+training with dynamic scaling, https://github.com/pytorch/ao/tree/main/torchao/float8):
+
+* forward: each operand is scaled by ``fp8_max / amax / 2**margin`` (``amax``
+  its current absolute maximum) and cast to real ``float8_e4m3fn`` arrays;
+  ``dot_general`` runs on the float8 operands with a float32 result, which is
+  multiplied by the inverse scales (one at a time, so their product cannot
+  overflow) and cast to the compute dtype;
+* backward (``jax.custom_vjp``): the incoming gradient is scaled the same way
+  and cast to ``float8_e5m2``; both gradient products are E5M2 x E4M3 (never
+  E5M2 x E5M2, which cuBLASLt lacks); the float8 operands are the saved
+  residuals (1 byte per element).
+
+*Current* scaling, not delayed scaling: delayed scaling (an amax history,
+1024 steps in Transformer Engine, 16 in torchao's former default) needs
+per-layer state carried from step to step. An amp rule sees one trace of the
+loss and owns no state: the user would have to thread the histories through
+the training step by hand (Flax's "overwrite with gradient" collection,
+Haliax's ``OverwriteWithGradient`` modules), which is exactly what jaxamp
+avoids. Current scaling is also the more accurate of the two; torchao deleted
+delayed scaling in 2025 (pytorch/ao#1753) for that reason and for lack of
+users. The price is one extra reduction (amax) per operand per matmul.
+
+Direct quantization, not quantize-dequantize: the product really is bound on
+float8 operands rather than left to a compiler pattern match that silently
+falls back to a 16-bit GEMM (Transformer Engine moved JAX to direct
+quantization in NVIDIA/TransformerEngine#1819; Flax deprecated its QDQ op).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import _compat
+from .._base._dtypes import is_float
+from ._common import (
+    FP8_SCOPE,
+    check_size_rule,
+    eight_bit_rule,
+    scoped_policy,
+    torchao_tensorwise_size_rule,
+)
+
+E4M3 = np.dtype(jnp.float8_e4m3fn)
+E5M2 = np.dtype(jnp.float8_e5m2)
+# Largest scale: 2**126, whose inverse 2**-126 is float32's smallest normal (an
+# inverse scale in the subnormal range would be flushed to zero on CPU and GPU).
+_MAX_SCALE = np.float32(2.0**126)
+
+
+def _is_fp8(dtype: Any) -> bool:
+    return np.dtype(dtype).itemsize == 1 and is_float(dtype)
+
+
+def quantize(
+    x: jax.Array, dtype: Any, margin: int = 0, power_of_two: bool = False
+) -> tuple[jax.Array, jax.Array]:
+    """Scale ``x`` by ``fp8_max / amax / 2**margin`` and cast it to ``dtype``.
+
+    Per-tensor current scaling (Transformer Engine's ``Float8CurrentScaling``):
+    ``amax`` is ``max(|x|)`` of this very tensor, so the largest element lands
+    on the format's maximum (448 for E4M3, 57344 for E5M2) less the margin.
+
+    Args:
+        x: a float array of any shape and float dtype.
+        dtype: the 8-bit float dtype, ``jnp.float8_e4m3fn`` or
+            ``jnp.float8_e5m2``.
+        margin: power-of-two headroom below the format's maximum
+            (Transformer Engine's ``margin``; 0 uses the full range).
+        power_of_two: round the scale down to a power of two (Transformer
+            Engine's ``power_2_scale``), so that scaling and unscaling are
+            exact and only the cast to ``dtype`` rounds.
+
+    Returns:
+        ``(q, scale)``: ``q`` of ``x``'s shape in ``dtype``, and the float32
+        scalar ``scale`` with ``q ~= x * scale``. An all-zero ``x`` gets scale 1
+        (zeros stay zeros); a non-finite amax gets scale 1 too, so inf/NaN
+        reach the float8 array (as NaN: ``float8_e4m3fn`` has no inf) and the
+        product, where a loss scaler sees them. Scales are capped at
+        ``2**126`` (so that ``1 / scale`` is a normal float32): a tensor with
+        amax below ``fp8_max * 2**-126`` (5.3e-36 for E4M3) uses less than the
+        full float8 range instead of overflowing the scale to inf (Transformer
+        Engine caps at float32's maximum instead).
+
+    Raises:
+        ValueError: if ``dtype`` is not an 8-bit float dtype.
+    """
+    if not _is_fp8(dtype):
+        raise ValueError(
+            f"quantize(x, dtype): dtype must be an 8-bit float such as "
+            f"jnp.float8_e4m3fn or jnp.float8_e5m2, got {dtype!r}."
+        )
+    fmax = float(jnp.finfo(dtype).max)
+    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    ok = (amax > 0) & jnp.isfinite(amax)
+    scale = np.float32(fmax / 2.0**margin) / jnp.where(ok, amax, np.float32(1))
+    scale = jnp.minimum(scale, _MAX_SCALE)  # amax tiny: fp8_max / amax may be inf
+    if power_of_two:
+        mantissa, exponent = jnp.frexp(scale)  # scale = mantissa * 2**exponent
+        del mantissa  # in [0.5, 1): 2**(exponent - 1) <= scale
+        scale = jnp.ldexp(np.float32(1), exponent - 1)
+    scale = jnp.where(ok, scale, np.float32(1)).astype(jnp.float32)
+    return (x.astype(jnp.float32) * scale).astype(dtype), scale
+
+
+def _unscale(out: jax.Array, scale_a: jax.Array, scale_b: jax.Array) -> jax.Array:
+    # One factor at a time: scale_a * scale_b can overflow (two tiny operands)
+    # or underflow (two huge ones) where the product of the operands does not.
+    return out * (np.float32(1) / scale_a) * (np.float32(1) / scale_b)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def fp8_dot_general(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    dimension_numbers: Any,
+    out_dtype: Any = jnp.bfloat16,
+    margin: int = 0,
+    power_of_two: bool = False,
+) -> jax.Array:
+    """``lax.dot_general`` computed in FP8 (E4M3 operands, E5M2 gradients).
+
+    Forward: ``lhs`` and ``rhs`` are quantized to ``float8_e4m3fn`` with
+    per-tensor current scales (:func:`quantize`), multiplied by
+    ``lax.dot_general`` on the float8 arrays with a float32 result, and the
+    result is multiplied by the two inverse scales. Backward (``jax.grad``,
+    ``jax.vjp``): the output cotangent is quantized to ``float8_e5m2`` and
+    the two gradient products are E5M2 x E4M3 with the saved float8 operands.
+
+    Error: each quantized element carries a relative rounding error of at most
+    ``2**-4`` (E4M3, 3 mantissa bits) or ``2**-3`` (E5M2, 2 mantissa bits),
+    plus an absolute error of half the smallest subnormal for elements far
+    below ``amax``; products are exact in float32, sums are float32.
+
+    Args:
+        lhs: float array, any float dtype, shape as for ``lax.dot_general``.
+        rhs: float array, any float dtype.
+        dimension_numbers: ``((lhs_contract, rhs_contract), (lhs_batch,
+            rhs_batch))`` as for ``lax.dot_general``.
+        out_dtype: dtype of the result (the amp compute dtype or float32).
+        margin: power-of-two headroom of the per-tensor scales.
+        power_of_two: round every scale down to a power of two.
+
+    Returns:
+        The product, shape as ``lax.dot_general``'s, dtype ``out_dtype``.
+        Gradients come back in ``lhs``'s and ``rhs``'s dtypes. Zero operands
+        give zeros; an inf or NaN anywhere in an operand (or, backward, in the
+        cotangent) gives NaNs in the result (or gradients).
+
+    Raises:
+        TypeError: from ``lax.dot_general`` if the shapes do not match
+            ``dimension_numbers``.
+    """
+    return _fp8_fwd(lhs, rhs, dimension_numbers, out_dtype, margin, power_of_two)[0]
+
+
+def _fp8_fwd(lhs, rhs, dimension_numbers, out_dtype, margin, power_of_two):
+    lq, ls = quantize(lhs, E4M3, margin, power_of_two)
+    rq, rs = quantize(rhs, E4M3, margin, power_of_two)
+    out = jax.lax.dot_general(
+        lq, rq, dimension_numbers, preferred_element_type=jnp.float32
+    )
+    out = _unscale(out, ls, rs).astype(out_dtype)
+    # Empty arrays carry the operand dtypes (residuals must be arrays).
+    return out, (lq, ls, rq, rs, jnp.zeros(0, lhs.dtype), jnp.zeros(0, rhs.dtype))
+
+
+def _fp8_bwd(dimension_numbers, out_dtype, margin, power_of_two, res, g):
+    del out_dtype
+    lq, ls, rq, rs, ldt, rdt = res
+    gq, gs = quantize(g, E5M2, margin, power_of_two)
+    dl = _compat.dot_general_transpose_lhs(gq, lq, rq, dimension_numbers)
+    dr = _compat.dot_general_transpose_rhs(gq, lq, rq, dimension_numbers)
+    return _unscale(dl, gs, rs).astype(ldt.dtype), _unscale(dr, ls, gs).astype(
+        rdt.dtype
+    )
+
+
+fp8_dot_general.defvjp(_fp8_fwd, _fp8_bwd)
+
+
+def fp8_rule(
+    margin: int = 0,
+    out_dtype: Any = None,
+    power_of_two: bool = False,
+    *,
+    size_rule: Any = torchao_tensorwise_size_rule,
+):
+    """An amp *implementation rule* for ``dot_general`` that runs it in FP8.
+
+    Implementation rules (attribute ``amp_impl = True``) have the rule
+    signature but return the equation's outputs instead of
+    ``(invars, bind_params)``; the interpreter uses them as they are. This one
+    binds :func:`fp8_dot_general` for products of two floats that pass
+    ``size_rule``; smaller products run in the compute dtype as under the
+    default policy (the quantization passes would cost more than the 8-bit
+    product saves). Integer products fall back to the compute-dtype rule;
+    products that already have an 8-bit operand (the user quantized them) are
+    bound unchanged.
+
+    Args:
+        margin: power-of-two headroom of the scales (Transformer Engine's
+            ``margin``, default 0).
+        out_dtype: result dtype; None for the amp compute dtype.
+        power_of_two: round the scales down to powers of two.
+        size_rule: ``(m, k, n) -> bool`` on the forward product's per-batch
+            rows (the activation's free elements), contraction and columns
+            (the weight's, as :func:`jaxamp.int8_rule` reads them): True to
+            run it in FP8. Default
+            :func:`jaxamp.torchao_tensorwise_size_rule` (torchao's H100
+            crossover for per-tensor scales: skip ``K <= 4096 and
+            N <= 1024``); None runs every matmul in FP8;
+            :class:`jaxamp.min_matmul_size` builds thresholds.
+
+    Returns:
+        The rule, to put under the ``"dot_general"`` key of a policy (or use
+        :func:`fp8_policy`).
+    """
+
+    def quantized(lhs, rhs, dn, compute_dtype):
+        dtype = np.dtype(compute_dtype if out_dtype is None else out_dtype)
+        return fp8_dot_general(lhs, rhs, dn, dtype, margin, power_of_two)
+
+    size_rule = check_size_rule(size_rule, "fp8_rule")
+    name = f"fp8_rule(margin={margin}, power_of_two={power_of_two})"
+    return eight_bit_rule(name, size_rule, "auto", FP8_SCOPE, quantized)
+
+
+def fp8_policy(
+    scopes: Iterable[str] | None = None,
+    exclude_scopes: Iterable[str] = (),
+    *,
+    margin: int = 0,
+    power_of_two: bool = False,
+    size_rule: Any = torchao_tensorwise_size_rule,
+    base: Mapping[Any, Any] | None = None,
+) -> dict[Any, Any]:
+    """An amp policy with FP8 matmuls everywhere or only inside named scopes.
+
+    Built from nested policies: a ``jax.named_scope`` key whose value is a
+    policy applies that policy to every equation inside the scope, and the
+    outermost scope component found in a policy wins over primitive keys. A
+    scope key therefore never maps to the FP8 rule itself (it would be
+    applied to *every* primitive in the scope) but to ``base`` with its
+    ``dot_general`` entry replaced.
+
+    Examples::
+
+        fp8_policy()                                  # == jaxamp.fp8_amp_policy
+        fp8_policy(exclude_scopes=("embed", "head"))  # all but first/last layer
+        fp8_policy(scopes=("mlp",))                   # only the MLPs
+        fp8_policy(size_rule=None)                    # small matmuls too
+        # expands to {**default_amp_policy,
+        #             "mlp": {**default_amp_policy, "dot_general": fp8_rule()}}
+
+    Scope names match whole components of the ``jax.named_scope`` stack
+    (``"mlp"`` matches ``block/mlp`` but not ``mlp_out``). An excluded scope
+    wins wherever it appears: outside an included scope, inside it, or
+    enclosing it.
+
+    Args:
+        scopes: scope names whose matmuls run in FP8; None for all matmuls.
+        exclude_scopes: scope names whose matmuls keep the ``base`` rule.
+        margin: passed to :func:`fp8_rule`.
+        power_of_two: passed to :func:`fp8_rule`.
+        size_rule: passed to :func:`fp8_rule`: which matmuls are large
+            enough to pay for FP8 (default torchao's tensorwise filter).
+        base: the policy for everything else; default
+            ``jaxamp.default_amp_policy``.
+
+    Returns:
+        A policy dict for ``jaxamp.amp(..., amp_policy=...)`` (use a bfloat16
+        compute dtype).
+
+    Raises:
+        TypeError: if ``scopes`` or ``exclude_scopes`` is a single string
+            rather than a collection of names.
+    """
+    rule = fp8_rule(margin, None, power_of_two, size_rule=size_rule)
+    return scoped_policy("fp8_policy", rule, scopes, exclude_scopes, base)
+
+
+fp8_amp_policy: dict[Any, Any] = fp8_policy()
+"""The default policy with every float ``dot_general`` that passes torchao's
+tensorwise size rule in FP8 (use a ``jnp.bfloat16`` compute dtype);
+:func:`fp8_policy` builds per-scope and tuned variants. Equivalent nested forms:
+``{**default_amp_policy, "mlp": fp8_amp_policy}`` (FP8 only inside ``mlp``
+scopes), ``{**fp8_amp_policy, "head": default_amp_policy}`` (all but the
+``head`` scope)."""

@@ -1,0 +1,535 @@
+"""Int8 training as one more amp rule: int8 x int8 -> int32 matmuls with
+float32 scales, per linear layer forward, dgrad and wgrad each switchable.
+
+Recipe (defaults first), following AQT (https://github.com/google/aqt,
+``aqt/jax/v2/config.py``; its paper ``papers/aqt``), its successor qwix
+(https://github.com/google/qwix, ``qwix/_src/core/dot_general_qt.py``) and
+torchao's int8 mixed-precision training
+(https://github.com/pytorch/ao/tree/main/torchao/prototype/quantized_training):
+
+* forward: both operands quantized symmetrically to int8 (``[-127, 127]``,
+  round to nearest) with **rowwise** scales: one ``amax`` per row of the lhs
+  and per column of the rhs, i.e. reduced over the contracting dims only
+  (AQT / torchao rowwise); or one per tensor (``granularity="tensorwise"``).
+  ``dot_general`` runs int8 x int8 -> **int32** (never an int8 output: XLA
+  falls back to a naive loop for it, jax#17688); the int32 result is
+  multiplied in float32 by the two inverse scales, one at a time, and cast to
+  the compute dtype.
+* which operand is the weight: decided by what the operands hold, not by
+  their position (``eqx.nn.Linear`` computes ``weight @ x``); see
+  :func:`jaxamp._quant_common.weight_operand` for the rule. The product is
+  then run with the activation as lhs and the weight as rhs, below.
+* dgrad (``d lhs = g . rhs^T``, the input gradient, int8 by default) and
+  wgrad (``d rhs = lhs^T . g``, the weight gradient, compute dtype by
+  default, as AQT and MaxText run it): the saved residuals are the
+  forward's int8 operands and scales, reused as they are. A rowwise scale
+  of the rhs is per *output column*, which is the dgrad's contracting dim,
+  so it cannot scale the dgrad's result; instead it is folded into the
+  gradient before the gradient is quantized (qwix's residual-scale
+  folding): ``g . (rq * s_r)^T = (g * s_r) . rq^T``.
+  The same holds for the lhs's per-row scales in the wgrad. The folded
+  gradient is quantized with rowwise scales along its non-contracting dims
+  for that product. A product left in the compute dtype uses the int8
+  residual cast to the compute dtype (exact: |q| <= 127) with the folded
+  gradient, so no 16-bit copy of an operand is saved either way.
+* stochastic rounding of the gradient operand (on by default, AQT's choice
+  for dgrad; torchao finds it unnecessary): ``q = floor(x * s + u)`` with
+  ``u`` uniform in ``[0, 1)``, unbiased: ``E[q] = x * s``.
+
+Where the rounding noise comes from. An amp rule owns no state and sees one
+trace, so it cannot advance a PRNG key from step to step; a key baked into
+the policy and reused every step makes the "noise" a fixed pattern, i.e. a
+bias (Haliax's ``Int8DotGeneralOp`` falls back to ``PRNGKey(42)``). The noise
+is therefore derived from the data being rounded: each element's float32 bits
+and flat index are mixed by an integer hash (Wellons' ``lowbias32``,
+https://nullprogram.com/blog/2018/07/31/) together with a digest of the whole
+tensor (the wrapping sum of the element hashes). Consequences: the noise
+changes whenever the gradient changes (every step, every microbatch), is
+identical for identical inputs (reruns, recomputation under
+``jax.checkpoint``, every data-parallel replica of a replicated tensor), and
+needs no key threaded through the training step. An optional ``key`` adds an
+independent stream (e.g. ``jax.random.fold_in(key, step)`` for a policy built
+inside the step); it is mixed with the data digest, so even a fixed key
+cannot freeze the noise. A concrete key enters the trace as its 32-bit seed
+(a literal); a key traced by the enclosing ``jit`` cannot enter the body of a
+``jax.checkpoint`` region (amp would leave the region in float32), and the
+rule says so (ValueError) instead.
+
+Quantization happens once per operand and product: the forward quantizes each
+operand once; the backward reuses those int8 arrays and quantizes only the
+(folded) gradient. Under a user's ``jax.checkpoint`` the forward, its
+quantization included, is recomputed in the backward pass as everything else
+in the checkpointed function is.
+
+Limits: int32 accumulation is exact for contractions up to
+``2**31 / 127**2 = 133144`` terms; longer contractions may wrap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._base import _state
+from .._base._dtypes import is_float
+from ._common import (
+    INT8_SCOPE,
+    KEPT_SCOPE,
+    WEIGHT_CHOICES,
+    Dims,
+    check_size_rule,
+    dgrad,
+    eight_bit_rule,
+    scoped_policy,
+    torchao_rowwise_size_rule,
+    weight_last,
+    wgrad,
+)
+
+F32, I8, I32, U32 = (np.dtype(t) for t in (jnp.float32, jnp.int8, jnp.int32, "uint32"))
+QMAX = 127.0
+_MAX_SCALE = np.float32(2.0**126)  # its inverse is float32's smallest normal
+GRANULARITIES = ("rowwise", "tensorwise")
+_WGRAD_SALT = np.uint32(0x9E3779B9)
+
+
+def _mix32(h: jax.Array) -> jax.Array:
+    # lowbias32: two multiply-xorshift rounds; full avalanche on uint32.
+    h = h ^ (h >> np.uint32(16))
+    h = h * np.uint32(0x7FEB352D)
+    h = h ^ (h >> np.uint32(15))
+    h = h * np.uint32(0x846CA68B)
+    return h ^ (h >> np.uint32(16))
+
+
+def rounding_noise(x: jax.Array, seed: Any = 0) -> jax.Array:
+    """Uniform ``[0, 1)`` noise for stochastic rounding, derived from ``x``.
+
+    Each element's noise is a hash of its float32 bits, its flat index, a
+    digest of the whole tensor (wrapping sum of the per-element hashes) and
+    ``seed``; see the module docstring for why the data is the source.
+
+    Args:
+        x: float array, any shape and float dtype (hashed as float32).
+        seed: a uint32 scalar (array or int) mixed into every element's hash;
+            0 for the data-derived noise alone.
+
+    Returns:
+        float32 array of ``x``'s shape, values ``k * 2**-24`` in ``[0, 1)``.
+    """
+    bits = jax.lax.bitcast_convert_type(x.astype(F32), U32)
+    idx = jnp.zeros(x.shape, U32)
+    stride = 1
+    for axis in reversed(range(x.ndim)):
+        step = np.uint32(stride % 2**32)
+        idx = idx + jax.lax.broadcasted_iota(U32, x.shape, axis) * step
+        stride *= x.shape[axis]
+    h = _mix32(bits ^ _mix32(idx + np.uint32(0x2545F491)))
+    digest = jnp.sum(h, dtype=U32) ^ jnp.asarray(seed, U32)
+    u = _mix32(h ^ _mix32(digest))
+    return (u >> np.uint32(8)).astype(F32) * np.float32(2.0**-24)
+
+
+def _reduce_axes(granularity: str, contracting: Iterable[int], ndim: int) -> tuple:
+    return tuple(contracting) if granularity == "rowwise" else tuple(range(ndim))
+
+
+def int8_quantize(
+    x: jax.Array,
+    axes: Iterable[int] | None = None,
+    *,
+    stochastic: bool = False,
+    seed: Any = 0,
+) -> tuple[jax.Array, jax.Array]:
+    """Symmetric int8 quantization with ``amax`` scales: ``q ~= x * scale``.
+
+    ``scale = 127 / amax`` with ``amax = max |x|`` over ``axes`` (AQT /
+    torchao absmax calibration), so the largest element of each slice maps
+    to +-127; values are clipped to ``[-127, 127]`` (symmetric: -128 unused).
+
+    Args:
+        x: float array, any shape and float dtype.
+        axes: the dims ``amax`` is reduced over; for a matmul operand, its
+            contracting dims (rowwise scales); None for one per-tensor scale.
+        stochastic: round stochastically (``floor(x * scale + u)``, unbiased)
+            instead of to nearest, with :func:`rounding_noise`.
+        seed: uint32 seed mixed into the noise (stochastic rounding only).
+
+    Returns:
+        ``(q, scale)``: ``q`` int8 of ``x``'s shape; ``scale`` float32 with
+        ``x``'s rank, size 1 on ``axes``. An all-zero slice gets scale 1; a
+        slice with a non-finite ``amax`` gets scale NaN, so the product that
+        unscales it is NaN where a loss scaler sees it. Scales are capped at
+        ``2**126`` (their inverses stay normal float32 numbers).
+
+    Raises:
+        ValueError: if ``x`` is not a float array or an axis is out of range.
+    """
+    if not is_float(x.dtype):
+        raise ValueError(
+            f"int8_quantize(x): x must be a float array, got dtype {x.dtype}; "
+            "integer arrays are already quantized."
+        )
+    axes = tuple(range(x.ndim)) if axes is None else tuple(int(a) for a in axes)
+    if any(not -x.ndim <= a < x.ndim for a in axes):
+        raise ValueError(
+            f"int8_quantize(x, axes={axes}): axes must index x's {x.ndim} dims."
+        )
+    axes = tuple(a % x.ndim for a in axes)
+    x = x.astype(F32)
+    amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True)
+    ok = (amax > 0) & jnp.isfinite(amax)
+    scale = jnp.minimum(np.float32(QMAX) / jnp.where(ok, amax, 1), _MAX_SCALE)
+    scale = jnp.where(ok, scale, jnp.where(amax == 0, np.float32(1), np.nan))
+    y = x * jnp.where(ok, scale, np.float32(1))
+    y = jnp.floor(y + rounding_noise(x, seed)) if stochastic else jnp.round(y)
+    return jnp.clip(y, -QMAX, QMAX).astype(I8), scale.astype(F32)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Recipe:
+    granularity: str = "rowwise"
+    forward: bool = True
+    dgrad: bool = True
+    wgrad: bool = False
+    stochastic_rounding: bool = True
+    transpose_wgrad: bool = True
+
+
+def _recipe(owner: str, **kw: Any) -> _Recipe:
+    if kw["granularity"] not in GRANULARITIES:
+        raise ValueError(
+            f"{owner}(granularity=...) must be one of {GRANULARITIES}, got "
+            f"{kw['granularity']!r}."
+        )
+    for name in ("forward", "dgrad", "wgrad", "stochastic_rounding"):
+        if not isinstance(kw[name], bool):
+            raise TypeError(f"{owner}({name}=...) must be True or False.")
+    return _Recipe(**kw)
+
+
+def _check_weight(owner: str, weight: Any) -> str:
+    if weight not in WEIGHT_CHOICES:
+        raise ValueError(
+            f"{owner}(weight=...) must be one of {WEIGHT_CHOICES}, got {weight!r}."
+        )
+    return weight
+
+
+def _weight_last_dot(lhs, rhs, seed, dimension_numbers, out_dtype, recipe, weight):
+    # The product with the weight as rhs (the operand whose gradient is wgrad),
+    # its output put back in the original layout.
+    a, w, dn, perm = weight_last(lhs, rhs, dimension_numbers, weight)
+    out = _int8_dot(a, w, seed, dn, np.dtype(out_dtype), recipe)
+    return out if perm is None else jnp.transpose(out, perm)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _int8_dot(lhs, rhs, seed, dimension_numbers, out_dtype, recipe):
+    return _fwd(lhs, rhs, seed, dimension_numbers, out_dtype, recipe)[0]
+
+
+def _fwd(lhs, rhs, seed, dimension_numbers, out_dtype, recipe):
+    d = Dims.of(dimension_numbers, lhs.ndim, rhs.ndim)
+    if recipe.forward:
+        gran = recipe.granularity
+        lq, ls = int8_quantize(lhs, _reduce_axes(gran, d.lc, lhs.ndim))
+        rq, rs = int8_quantize(rhs, _reduce_axes(gran, d.rc, rhs.ndim))
+        acc = jax.lax.dot_general(lq, rq, dimension_numbers, preferred_element_type=I32)
+        linv, rinv = np.float32(1) / ls, np.float32(1) / rs
+        out = acc.astype(F32) * d.lhs_to_out(linv) * d.rhs_to_out(rinv)
+    else:
+        lq, rq = lhs.astype(out_dtype), rhs.astype(out_dtype)
+        linv = jnp.ones((1,) * lhs.ndim, F32)
+        rinv = jnp.ones((1,) * rhs.ndim, F32)
+        out = jax.lax.dot_general(
+            lq, rq, dimension_numbers, preferred_element_type=out_dtype
+        )
+    # Empty arrays carry the operand dtypes (residuals must be arrays).
+    types = (jnp.zeros(0, lhs.dtype), jnp.zeros(0, rhs.dtype))
+    return out.astype(out_dtype), (lq, linv, rq, rinv, seed, *types)
+
+
+def _grad_product(g, other, product, d, recipe, quantized, seed, cd):
+    """One gradient product with the saved operand ``other``: ``product`` is
+    :func:`dgrad` or :func:`wgrad`; ``g`` already carries the folded scale."""
+    contract = d.out_rhs_free if product is dgrad else d.out_lhs_free
+    to_layout = d.out_to_lhs if product is dgrad else d.out_to_rhs
+    call = (
+        (lambda a, b, t: dgrad(a, b, d, t))
+        if product is dgrad
+        else (lambda a, b, t: wgrad(b, a, d, t, recipe.transpose_wgrad))
+    )
+    if not quantized:
+        # Output in the compute dtype, as the default rule emits it: XLA:CPU
+        # rejects bf16 x bf16 -> f32 dots inside loops (DotThunk).
+        with jax.named_scope(KEPT_SCOPE):
+            return call(g.astype(cd), other.astype(cd), cd)
+    if other.dtype != I8:  # forward not quantized: per-tensor weight scale
+        other, s_other = int8_quantize(other)
+        g = g * (np.float32(1) / s_other.reshape(()))
+    axes = _reduce_axes(recipe.granularity, contract, g.ndim)
+    gq, gs = int8_quantize(g, axes, stochastic=recipe.stochastic_rounding, seed=seed)
+    return call(gq, other, I32).astype(F32) * to_layout(np.float32(1) / gs)
+
+
+def _bwd(dimension_numbers, out_dtype, recipe, res, g):
+    lv, linv, rv, rinv, seed, ltype, rtype = res
+    d = Dims.of(dimension_numbers, lv.ndim, rv.ndim)
+    g = g.astype(F32)
+    cd = np.dtype(out_dtype)
+    dl = _grad_product(
+        g * d.rhs_to_out(rinv), rv, dgrad, d, recipe, recipe.dgrad, seed, cd
+    )
+    dr = _grad_product(
+        g * d.lhs_to_out(linv),
+        lv,
+        wgrad,
+        d,
+        recipe,
+        recipe.wgrad,
+        seed ^ _WGRAD_SALT,
+        cd,
+    )
+    return dl.astype(ltype.dtype), dr.astype(rtype.dtype), None
+
+
+_int8_dot.defvjp(_fwd, _bwd)
+
+
+def _traced_seed(key: jax.Array) -> jax.Array:
+    if _state.current().recomputed:
+        raise ValueError(
+            "int8 policy key=...: a key traced by an enclosing jit (a policy built "
+            "inside the training step) cannot reach the matmuls inside a "
+            "jax.checkpoint region: amp would leave the region in float32. Build "
+            "the policy outside the step with a concrete key, or pass key=None "
+            "(rounding noise derived from the data, fresh at every step)."
+        )
+    return jax.random.bits(key, (), U32)
+
+
+def _seed_source(key: Any) -> Callable[[], jax.Array]:
+    """A function giving the uint32 seed of ``key`` in the trace that calls it.
+
+    A concrete key becomes its seed once, here, as a number: a scalar enters
+    every trace as a literal. The key array itself would be a constant of the
+    rule's trace, and the body of a user's ``jax.checkpoint`` cannot carry
+    constants (amp would leave the whole region unconverted, in float32).
+    """
+    if key is None:
+        return lambda: jnp.asarray(0, U32)
+    if not (
+        isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+    ):
+        raise TypeError(
+            "key=... must be a typed PRNG key such as jax.random.key(0) (or None "
+            f"for data-derived rounding noise), got {type(key).__name__}."
+        )
+    if isinstance(key, jax.core.Tracer):  # a policy built inside a traced step
+        return functools.partial(_traced_seed, key)
+    seed = np.uint32(jax.random.bits(key, (), U32))
+    return lambda: jnp.asarray(seed, U32)
+
+
+def int8_dot_general(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    dimension_numbers: Any,
+    out_dtype: Any = jnp.bfloat16,
+    *,
+    granularity: str = "rowwise",
+    forward: bool = True,
+    dgrad: bool = True,
+    wgrad: bool = False,
+    stochastic_rounding: bool = True,
+    key: jax.Array | None = None,
+    weight: str = "auto",
+) -> jax.Array:
+    """``lax.dot_general`` trained in int8: int8 x int8 -> int32 products.
+
+    The recipe of the module docstring (AQT, qwix, torchao): the forward
+    product, the input gradient (dgrad) and the weight gradient (wgrad) each
+    run int8 x int8 -> int32 with float32 scales or in ``out_dtype``; the
+    backward pass reuses the forward's int8 operands. Which operand is the
+    weight is read from the operands (``weight="auto"``), not their order:
+    the rule of :func:`jaxamp._quant_common.weight_operand`, in short the
+    operand contracted over its leading dims (a kernel ``(in, out)``), else
+    the one with fewer free dims, else the wider dtype, else fewer free
+    elements, else the rhs; batched products (attention) take the rhs.
+
+    Args:
+        lhs: float array, any float dtype, shape as for ``lax.dot_general``.
+        rhs: float array, any float dtype.
+        dimension_numbers: ``((lhs_contract, rhs_contract), (lhs_batch,
+            rhs_batch))`` as for ``lax.dot_general``.
+        out_dtype: result dtype (the amp compute dtype); also the dtype of
+            the backward products that are not quantized.
+        granularity: ``"rowwise"`` (one scale per row of each operand along
+            its non-contracting dims) or ``"tensorwise"`` (one per tensor).
+        forward: quantize the forward product.
+        dgrad: quantize the input-gradient product.
+        wgrad: quantize the weight-gradient product.
+        stochastic_rounding: round the gradient operand stochastically.
+        key: optional typed PRNG key mixed into the rounding noise; None for
+            the data-derived noise alone (module docstring).
+        weight: which operand is the weight (its gradient is the wgrad
+            product): ``"auto"`` (read from shapes and dtypes, above),
+            ``"lhs"`` or ``"rhs"``.
+
+    Returns:
+        The product, ``lax.dot_general``'s shape, dtype ``out_dtype``;
+        gradients come back in ``lhs``'s and ``rhs``'s dtypes. A non-finite
+        operand (or cotangent) gives NaN in the rows it touches.
+
+    Raises:
+        ValueError: for an unknown ``granularity`` or ``weight``.
+        TypeError: for a non-bool switch or a ``key`` that is not a typed
+            PRNG key; from ``lax.dot_general`` if the shapes do not match.
+    """
+    recipe = _recipe(
+        "int8_dot_general",
+        granularity=granularity,
+        forward=forward,
+        dgrad=dgrad,
+        wgrad=wgrad,
+        stochastic_rounding=stochastic_rounding,
+    )
+    weight = _check_weight("int8_dot_general", weight)
+    dn = tuple(tuple(tuple(int(i) for i in x) for x in p) for p in dimension_numbers)
+    seed = _seed_source(key)()
+    return _weight_last_dot(lhs, rhs, seed, dn, out_dtype, recipe, weight)
+
+
+def int8_rule(
+    *,
+    granularity: str = "rowwise",
+    forward: bool = True,
+    dgrad: bool = True,
+    wgrad: bool = False,
+    stochastic_rounding: bool = True,
+    size_rule: Any = torchao_rowwise_size_rule,
+    key: jax.Array | None = None,
+    weight: str = "auto",
+):
+    """An amp implementation rule (``amp_impl = True``) running float
+    ``dot_general`` equations through :func:`int8_dot_general`.
+
+    A matmul that ``size_rule`` rejects runs in the compute dtype as under the
+    default policy; integer products fall back to the compute-dtype rule;
+    products with an 8-bit operand (quantized by the user) are bound
+    unchanged.
+
+    Args:
+        granularity: as for :func:`int8_dot_general`.
+        forward: as for :func:`int8_dot_general`.
+        dgrad: as for :func:`int8_dot_general`.
+        wgrad: as for :func:`int8_dot_general`.
+        stochastic_rounding: as for :func:`int8_dot_general`.
+        key: as for :func:`int8_dot_general`.
+        weight: as for :func:`int8_dot_general`: ``"auto"`` reads which
+            operand is the weight from the operands.
+        size_rule: ``(m, k, n) -> bool`` on the forward product's per-batch
+            rows (activation's free elements), contraction and columns
+            (weight's free elements): True to quantize. Default
+            :func:`jaxamp.torchao_rowwise_size_rule`; None quantizes every
+            matmul; :class:`jaxamp.min_matmul_size` builds thresholds.
+
+    Returns:
+        The rule, for the ``"dot_general"`` key of a policy.
+
+    Raises:
+        ValueError, TypeError: for invalid options (naming the argument).
+    """
+    recipe = _recipe(
+        "int8_rule",
+        granularity=granularity,
+        forward=forward,
+        dgrad=dgrad,
+        wgrad=wgrad,
+        stochastic_rounding=stochastic_rounding,
+    )
+    size_rule = check_size_rule(size_rule, "int8_rule")
+    weight = _check_weight("int8_rule", weight)
+    seed_source = _seed_source(key)
+
+    def quantized(lhs, rhs, dn, compute_dtype):
+        seed = seed_source()
+        return _weight_last_dot(lhs, rhs, seed, dn, compute_dtype, recipe, weight)
+
+    name = f"int8_rule({recipe})"
+    return eight_bit_rule(name, size_rule, weight, INT8_SCOPE, quantized)
+
+
+def int8_policy(
+    scopes: Iterable[str] | None = None,
+    exclude_scopes: Iterable[str] = (),
+    *,
+    granularity: str = "rowwise",
+    forward: bool = True,
+    dgrad: bool = True,
+    wgrad: bool = False,
+    stochastic_rounding: bool = True,
+    size_rule: Any = torchao_rowwise_size_rule,
+    key: jax.Array | None = None,
+    weight: str = "auto",
+    base: Mapping[Any, Any] | None = None,
+) -> dict[Any, Any]:
+    """An amp policy training matmuls in int8, everywhere or per named scope.
+
+    Examples::
+
+        int8_policy()                              # == jaxamp.int8_amp_policy
+        int8_policy(size_rule=None)                # every matmul, small ones too
+        int8_policy(wgrad=True)                    # all three matmuls in int8
+        int8_policy(scopes=("mlp",), exclude_scopes=("head",))
+
+    Scope semantics are those of :func:`jaxamp.fp8_policy`.
+
+    Args:
+        scopes: scope names whose matmuls are quantized; None for all.
+        exclude_scopes: scope names whose matmuls keep the ``base`` rule.
+        granularity: as for :func:`int8_rule`.
+        forward: as for :func:`int8_rule`.
+        dgrad: as for :func:`int8_rule`.
+        wgrad: as for :func:`int8_rule`.
+        stochastic_rounding: as for :func:`int8_rule`.
+        size_rule: as for :func:`int8_rule`.
+        key: as for :func:`int8_rule`.
+        weight: as for :func:`int8_rule`.
+        base: the policy for everything else; default
+            ``jaxamp.default_amp_policy``.
+
+    Returns:
+        A policy dict for ``jaxamp.amp(..., amp_policy=...)`` (use a bfloat16
+        compute dtype).
+
+    Raises:
+        TypeError: if ``scopes`` or ``exclude_scopes`` is a single string, or
+            for invalid rule options.
+        ValueError: for an unknown ``granularity`` or ``weight``.
+    """
+    rule = int8_rule(
+        granularity=granularity,
+        forward=forward,
+        dgrad=dgrad,
+        wgrad=wgrad,
+        stochastic_rounding=stochastic_rounding,
+        size_rule=size_rule,
+        key=key,
+        weight=weight,
+    )
+    return scoped_policy("int8_policy", rule, scopes, exclude_scopes, base)
+
+
+int8_amp_policy: dict[Any, Any] = int8_policy()
+"""The default policy with int8 training for every float ``dot_general``
+that passes torchao's rowwise size rule: forward and dgrad int8 x int8 ->
+int32 with rowwise scales, stochastic rounding of the gradient, wgrad in the
+compute dtype (use ``jnp.bfloat16``); :func:`int8_policy` builds variants."""

@@ -1,0 +1,190 @@
+"""optax integration: finiteness checks, tree selection and an update that skips
+non-finite steps (counted, never silently lost)."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+
+from .._base._dtypes import widest
+
+PyTree = Any
+
+
+def all_finite(tree: PyTree) -> jax.Array:
+    """Whether every floating-point leaf of ``tree`` is finite (no inf or NaN).
+
+    The overflow check of dynamic loss scaling (as jmp's ``all_finite``, and
+    PyTorch's ``GradScaler`` "found_inf"). Works under ``jit`` (no host sync).
+
+    Args:
+        tree: any pytree, leaves of any shape; non-array and non-float leaves
+            (ints, None, static fields of an Equinox module) are ignored.
+
+    Returns:
+        A bool array of shape ``()`` (True for a tree without float leaves).
+    """
+    leaves = [
+        x
+        for x in jax.tree_util.tree_leaves(tree)
+        if eqx.is_array(x) and jnp.issubdtype(x.dtype, jnp.inexact)
+    ]
+    if not leaves:
+        return jnp.asarray(True)
+    return jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]).all()
+
+
+def select_tree(pred: Any, a: PyTree, b: PyTree) -> PyTree:
+    """``a`` where the scalar boolean ``pred`` is True, else ``b``, leaf by leaf.
+
+    Args:
+        pred: scalar boolean (shape ``()`` array or Python bool), e.g. from
+            :func:`all_finite`.
+        a, b: pytrees of the same structure; array leaves at the same position
+            must have equal shapes and dtypes; non-array leaves are taken from
+            ``a``.
+
+    Returns:
+        A pytree with ``a``'s structure (jmp's ``select_tree``, without the
+        requirement that every leaf be an array).
+
+    Raises:
+        ValueError: if ``pred`` is not a scalar, or two array leaves differ in
+            shape or dtype (a silent promotion would change the dtypes of the
+            state and recompile the step).
+    """
+    pred = jnp.asarray(pred)
+    if pred.shape != ():
+        raise ValueError(f"select_tree: pred must be a scalar, got shape {pred.shape}.")
+    pred = pred.astype(bool)
+
+    def leaf(path, x, y):
+        if eqx.is_array(x):
+            if eqx.is_array(y) and (x.shape != y.shape or x.dtype != y.dtype):
+                raise ValueError(
+                    f"select_tree: leaf {jax.tree_util.keystr(path)} is "
+                    f"{x.dtype}{list(x.shape)} in a but {y.dtype}{list(y.shape)} "
+                    "in b; cast one of them so both match."
+                )
+            return jnp.where(pred, x, y)
+        return x
+
+    return jax.tree_util.tree_map_with_path(leaf, a, b, is_leaf=lambda x: x is None)
+
+
+class SkipNonFiniteState(NamedTuple):
+    """State of :func:`skip_nonfinite_updates`.
+
+    Attributes:
+        inner_state: the wrapped optimizer's state (unchanged on a skipped step).
+        skipped_steps: int32 count of steps skipped because the gradients (or the
+            inner optimizer's updates) were not finite.
+        last_finite: bool, whether the last step was applied.
+    """
+
+    inner_state: Any
+    skipped_steps: jax.Array
+    last_finite: jax.Array
+
+
+def skip_nonfinite_updates(
+    inner: optax.GradientTransformation,
+) -> optax.GradientTransformationExtraArgs:
+    """Wrap an optax optimizer so that a step with non-finite gradients is skipped.
+
+    On such a step the updates are zeros, the inner state is left unchanged and
+    ``skipped_steps`` is incremented; the next finite step updates normally.
+    This is the optimizer half of dynamic loss scaling (NVIDIA, "Training with
+    mixed precision", and PyTorch's ``GradScaler.step``, which skips
+    ``optimizer.step()`` on inf/NaN). Unlike ``optax.apply_if_finite`` it never
+    gives up after a number of bad steps.
+
+    Args:
+        inner: any optax ``GradientTransformation``.
+
+    Returns:
+        A ``GradientTransformationExtraArgs`` with state :class:`SkipNonFiniteState`;
+        extra keyword arguments are forwarded to ``inner.update``.
+
+    Raises:
+        TypeError: if ``inner`` is not a GradientTransformation.
+    """
+    if not isinstance(inner, optax.GradientTransformation):
+        raise TypeError(
+            "skip_nonfinite_updates(inner): inner must be an optax "
+            "GradientTransformation (e.g. optax.adam(1e-3)), got "
+            f"{type(inner).__name__}."
+        )
+    inner = optax.with_extra_args_support(inner)
+
+    def init(params):
+        return SkipNonFiniteState(
+            inner.init(params), jnp.zeros((), jnp.int32), jnp.asarray(True)
+        )
+
+    def update(updates, state, params=None, **extra):
+        new_updates, new_inner = inner.update(
+            updates, state.inner_state, params, **extra
+        )
+        finite = all_finite(updates) & all_finite(new_updates)
+        zeros = jax.tree_util.tree_map(jnp.zeros_like, new_updates)
+        out = select_tree(finite, new_updates, zeros)
+        inner_state = select_tree(finite, new_inner, state.inner_state)
+        skipped = state.skipped_steps + (~finite).astype(jnp.int32)
+        return out, SkipNonFiniteState(inner_state, skipped, finite)
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def optimizer_update(
+    model: PyTree,
+    optimizer: optax.GradientTransformation,
+    opt_state: PyTree,
+    grads: PyTree,
+    grads_finite: Any,
+) -> tuple[PyTree, PyTree]:
+    """One optimizer step for an Equinox model, skipped when ``grads_finite`` is
+    False (mpx's call shape).
+
+    Args:
+        model: an Equinox module (or any pytree of parameters).
+        optimizer: an optax GradientTransformation.
+        opt_state: its state for ``eqx.filter(model, eqx.is_array)``.
+        grads: gradients with the structure of the model's arrays.
+        grads_finite: scalar bool, e.g. from :func:`all_finite`.
+
+    Returns:
+        ``(new_model, new_opt_state)``; both unchanged if ``grads_finite`` is
+        False. Each parameter keeps its dtype (``p + u`` is computed in the wider
+        of the two dtypes, as ``optax.apply_updates``).
+
+    Raises:
+        TypeError: if ``optimizer`` is not an optax GradientTransformation.
+    """
+    if not isinstance(optimizer, optax.GradientTransformation):
+        raise TypeError(
+            "optimizer_update: optimizer must be an optax GradientTransformation "
+            f"(e.g. optax.adam(1e-3)), got {type(optimizer).__name__}."
+        )
+    params, static = eqx.partition(model, eqx.is_array)
+    updates, new_state = optimizer.update(grads, opt_state, params)
+    new_params = jax.tree_util.tree_map(
+        _apply_update, params, updates, is_leaf=lambda x: x is None
+    )
+    return (
+        eqx.combine(select_tree(grads_finite, new_params, params), static),
+        select_tree(grads_finite, new_state, opt_state),
+    )
+
+
+def _apply_update(p: Any, u: Any) -> Any:
+    """``p + u`` computed in the wider dtype and stored in ``p``'s dtype (float32
+    updates of float16 parameters; strict-promotion safe), as optax does."""
+    if p is None or u is None:
+        return p
+    dt = widest([p.dtype, u.dtype]) or p.dtype
+    return (p.astype(dt) + u.astype(dt)).astype(p.dtype)

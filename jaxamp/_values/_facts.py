@@ -1,0 +1,542 @@
+"""Value facts: one dataflow pass per jaxpr that the default rules read.
+
+Deciding an equation's dtype from its primitive alone is not enough (``docs/design.md``,
+"The default policy"): the same ``sub`` is harmless between two matmuls and
+ruinous in the cross-entropy after the last one, the same ``mul`` is a gate or a
+square. This module computes, once per (jaxpr, facts of its outputs), what each
+equation's values *are*:
+
+* backward bits per value, propagated from the outputs to the inputs:
+
+  - ``REACH``: the value reaches a matmul (``dot_general``, convolution). An
+    equation none of whose outputs reaches one is in the function's *tail*:
+    the loss chain after the last matmul (log-softmax, cross-entropy, the gold
+    logit gather, means), which the default policy runs in the traced dtypes,
+    as PyTorch autocast's float32 list does for ``cross_entropy``/``nll_loss``;
+  - ``WIDE``: the value reaches an ``exp`` (a softmax's logits) or a linear
+    algebra routine (a covariance entering ``cholesky``) through scale / mask /
+    shift ops: a matmul producing it keeps its traced float32 result;
+  - ``SUM``: the value reaches a ``reduce_sum`` through such ops: a square
+    feeding it is a normalisation statistic, kept in float32;
+  - ``TRANSPOSED``: the value is read by a ``transpose`` (seen through casts):
+    XLA folds that transpose into the product computing it, a form XLA:CPU
+    cannot run for bfloat16 x bfloat16 -> float32 (``_compat.runnable_product``).
+
+* per equation: ``quadratic`` (``square``, ``integer_pow``, ``pow``, a value
+  multiplied by itself or matmul'd with itself, seen through casts and negation):
+  its output can leave float16's range from in-range inputs;
+
+* per equation: ``centring``, a ``sub`` of a value's own mean (``x - mean(x)``,
+  the mean seen through broadcasts, reshapes and the division by the count): the
+  centring of a LayerNorm, a variance, a standardisation. It runs in float32,
+  and so, by "follow", does the normalisation after it (the ``mul``/``div`` of
+  the centred value by ``rsqrt(var)``); ``after_normalisation``: an equation
+  reading such a normalised value (the gain, the bias) runs in the compute
+  dtype again. That is LayerNorm as a careful hand-written model computes it
+  (``((x - m) * rsqrt(v)).astype(bfloat16) * g``): float32 statistics and
+  normalisation, one rounding, residuals of the compute dtype after it;
+
+* per equation: ``rms_scaling``, a value multiplied by the inverse root of its
+  own sum of squares or divided by that root (``x * rsqrt(mean(x * x) + eps)``,
+  ``x / sqrt(sum(x * x))``, the statistic seen through broadcasts, reshapes,
+  casts, the count, the epsilon and a gain folded into it): RMSNorm, QK-norm,
+  an L2 normalisation. It runs in float32 like a LayerNorm's normalisation, and its
+  readers get ``after_normalisation``: RMSNorm as LLaMA's and Flax's
+  ``RMSNorm`` compute it (``(x * rsqrt(ms)).astype(bfloat16) * g``). The
+  square of that statistic and Flax's shift of ``x`` by a constant zero mean
+  get ``rms_operand``: they run in float32 on the same float32 copy of ``x`` as
+  the scaling, so that the cotangents of ``x`` (which nearly cancel) are
+  summed in float32 and rounded once, as by hand. The scaling equation also
+  records those operand equations (``rms_operand_eqns``): the RMSNorm region
+  rewrite (``_rmsnorm.py``) runs the square, statistic and scaling together;
+
+* per ``scan``: which float carries may be narrowed to the compute dtype. A
+  carry is narrowed only if it reaches a matmul in the body (an activation such
+  as the residual stream) and no matmul-free path from a carry into it passes
+  an ``exp``/``log`` (a log-space recursion such as CTC's or an HMM's forward
+  pass keeps its traced dtype).
+
+Sub-jaxprs are analysed with the bits of the values their outputs feed in the
+enclosing jaxpr (a scan's carries to a fixpoint), so facts cross ``jit``,
+``scan``, ``while``, ``cond``, ``remat`` and custom-derivative boundaries. Where
+the bits of a sub-jaxpr's outputs are unknown (a user's jvp or bwd rule traced
+lazily by JAX), every output is taken to reach a matmul: the conservative
+choice, which keeps the compute dtype's memory savings.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import weakref
+from typing import Any
+
+from .. import _compat
+from .._base import _state
+from .._base._jaxpr import is_var, named_subs
+from .._base._prims import CALLS, MATMULS
+from ._patterns import COLLECTIVE_SUMS, centring, quadratic, rms_operands
+
+REACH, WIDE, SUM, TRANSPOSED = 1, 2, 4, 8
+ALL = REACH  # conservative bits for an output whose consumers are unknown
+
+# Ops through which a value still "is" the logits of a softmax (WIDE) or the terms
+# of a sum (SUM): scaling, masking, shifting and moving data around.
+_PASS = frozenset(
+    {
+        "add",
+        "sub",
+        "mul",
+        "div",
+        "neg",
+        "max",
+        "min",
+        "select_n",
+        "convert_element_type",
+        "reduce_precision",
+        "copy",
+        "copy_p",
+        "reshape",
+        "transpose",
+        "broadcast_in_dim",
+        "squeeze",
+        "expand_dims",
+        "slice",
+        "dynamic_slice",
+        "concatenate",
+        "pad",
+        "stop_gradient",
+    }
+)
+# Where a value needs its float32 digits: a softmax's exp, linear algebra.
+_WIDE_USES = frozenset(
+    {
+        "exp",
+        "cholesky",
+        "triangular_solve",
+        "eigh",
+        "eig",
+        "lu",
+        "qr",
+        "geqrf",
+        "svd",
+        "schur",
+        "hessenberg",
+        "tridiagonal_solve",
+    }
+)
+# Log-space ops: a carry recursion through them keeps its traced dtype.
+_LOG_OPS = frozenset({"exp", "exp2", "expm1", "log", "log1p", "cumlogsumexp"})
+
+
+@dataclasses.dataclass(frozen=True)
+class EqnFacts:
+    """What the dataflow pass knows about one equation.
+
+    Attributes:
+        out_bits: per output, the OR of ``REACH``/``WIDE``/``SUM`` of its uses.
+        quadratic: the equation squares a value (see the module docstring).
+        centring: the equation subtracts a value's own mean (module docstring).
+        rms_scaling: the equation scales a value by the inverse root of its own
+            sum of squares (module docstring).
+        rms_operand: the equation computes, from ``x``, an operand of an
+            ``rms_scaling`` equation: the square of its statistic, or ``x``
+            minus a constant (Flax's zero mean).
+        rms_operand_eqns: for an ``rms_scaling`` equation, the equations
+            computing its operands from ``x``: the square of the statistic,
+            then Flax's shift if there is one.
+        shared_inputs: per input, whether another equation (or the jaxpr's
+            outputs) reads the same value too (a weight used by many matmuls).
+        after_normalisation: an input is a centred value multiplied or divided
+            by something, or the output of an ``rms_scaling`` equation (a
+            normalised value: module docstring).
+        narrow_carries: for a ``scan``, per carry, whether it may be narrowed.
+        sub_out_bits: ``id(sub-jaxpr param) -> out bits`` for higher-order
+            equations, the facts the sub-jaxpr's analysis starts from.
+        in_squared: per input, whether its magnitude is that of a square (a
+            sum of squares, a variance: see :func:`squared_flags`).
+        sub_in_squared: ``id(sub-jaxpr param) -> in_squared`` of its inputs.
+    """
+
+    out_bits: tuple[int, ...] = ()
+    quadratic: bool = False
+    centring: bool = False
+    rms_scaling: bool = False
+    rms_operand: bool = False
+    rms_operand_eqns: tuple = ()
+    after_normalisation: bool = False
+    shared_inputs: tuple[bool, ...] = ()
+    narrow_carries: tuple[bool, ...] = ()
+    sub_out_bits: Any = None  # dict, or None
+    in_squared: tuple[bool, ...] = ()
+    sub_in_squared: Any = None  # dict, or None
+
+    @property
+    def known(self) -> bool:
+        """False for the conservative facts of an equation outside any analysis."""
+        return bool(self.out_bits)
+
+    @property
+    def tail(self) -> bool:
+        """No output reaches a matmul: the function's loss chain."""
+        return self.known and not any(b & REACH for b in self.out_bits)
+
+    @property
+    def wide(self) -> bool:
+        """Some output reaches a softmax's ``exp`` or linear algebra through
+        scale/mask/shift ops."""
+        return any(b & WIDE for b in self.out_bits)
+
+    @property
+    def transposed(self) -> bool:
+        """Some output is read by a ``transpose`` (seen through casts)."""
+        return any(b & TRANSPOSED for b in self.out_bits)
+
+    @property
+    def summed(self) -> bool:
+        """Some output reaches a ``reduce_sum`` through such ops."""
+        return any(b & SUM for b in self.out_bits)
+
+    @property
+    def squared_input(self) -> bool:
+        """Some input has the magnitude of a square (float16 cannot hold it)."""
+        return any(self.in_squared)
+
+    def boundary_for(self, sub: Any) -> tuple | None:
+        """``(out bits, in_squared)`` of sub-jaxpr ``sub`` (a param of this
+        equation), or None where unknown."""
+        out = (self.sub_out_bits or {}).get(id(sub))
+        sq = (self.sub_in_squared or {}).get(id(sub))
+        if out is None and sq is None:
+            return None
+        return (out, sq)
+
+
+UNKNOWN = EqnFacts()
+
+
+def current_facts() -> EqnFacts:
+    """The facts of the equation the interpreter is binding (for rules).
+
+    Outside a jaxamp walk (a rule called by hand) every fact is unknown and
+    false: rules then behave as they did without the analysis.
+    """
+    facts = _state.current().facts
+    return UNKNOWN if facts is None else facts
+
+
+@dataclasses.dataclass(frozen=True)
+class JaxprFacts:
+    """The analysis of one jaxpr: per equation facts and per input bits."""
+
+    eqns: tuple[EqnFacts, ...]
+    in_bits: tuple[int, ...]
+
+
+_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def analyse(
+    jaxpr: Any, out_bits: tuple[int, ...] | None, ignore: frozenset = frozenset()
+) -> JaxprFacts:
+    """Facts of every equation of ``jaxpr`` given the bits of its outputs.
+
+    Args:
+        jaxpr: an open jaxpr (``invars``, ``eqns``, ``outvars``).
+        out_bits: per output, the bits of its uses outside (``()``-length
+            mismatches and None mean unknown: every output reaches a matmul).
+        ignore: names of pattern facts not to derive (``"rms_scaling"``: no
+            equation is an RMSNorm scaling), for ablations. The bits of the
+            inputs do not depend on them.
+
+    Returns:
+        A :class:`JaxprFacts`, cached per (jaxpr, out_bits, ignore).
+    """
+    if out_bits is None or len(out_bits) != len(jaxpr.outvars):
+        out_bits = (ALL,) * len(jaxpr.outvars)
+    out_bits = tuple(out_bits)
+    try:
+        per = _CACHE.setdefault(jaxpr, {})
+    except TypeError:  # not weak-referenceable
+        per = {}
+    key = (out_bits, ignore)
+    if key not in per:
+        per[key] = _analyse(jaxpr, out_bits, ignore)
+    return per[key]
+
+
+def _analyse(jaxpr: Any, out_bits: tuple[int, ...], ignore: frozenset) -> JaxprFacts:
+    bits: dict[Any, int] = {}
+    for v, b in zip(jaxpr.outvars, out_bits):
+        if is_var(v):
+            bits[v] = bits.get(v, 0) | b
+    producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+    facts: list[EqnFacts] = [UNKNOWN] * len(jaxpr.eqns)
+    operands: set[int] = set()  # ids of the rms_operand equations
+    uses = collections.Counter(
+        v for e in jaxpr.eqns for v in {u for u in e.invars if is_var(u)}
+    )
+    uses.update(v for v in jaxpr.outvars if is_var(v))
+    for k in range(len(jaxpr.eqns) - 1, -1, -1):
+        eqn = jaxpr.eqns[k]
+        outs = tuple(bits.get(v, 0) for v in eqn.outvars)
+        in_bits, extra = _eqn_in_bits(eqn, outs)
+        for v, b in zip(eqn.invars, in_bits):
+            if is_var(v) and b:
+                bits[v] = bits.get(v, 0) | b
+        found = None if "rms_scaling" in ignore else rms_operands(eqn, producer)
+        if found is not None:
+            operands.update(id(e) for e in found)
+        facts[k] = EqnFacts(
+            out_bits=outs,
+            quadratic=quadratic(eqn, producer),
+            centring=centring(eqn, producer),
+            rms_scaling=found is not None,
+            rms_operand=id(eqn) in operands,
+            rms_operand_eqns=found or (),
+            shared_inputs=tuple(is_var(v) and uses[v] > 1 for v in eqn.invars),
+            **extra,
+        )
+    _mark_normalisations(jaxpr, facts)
+    in_bits = tuple(bits.get(v, 0) for v in jaxpr.invars)
+    return JaxprFacts(tuple(facts), in_bits)
+
+
+def _mark_normalisations(jaxpr: Any, facts: list) -> None:
+    """Forward: the readers of ``centred * s`` / ``centred / s`` and of an
+    ``rms_scaling`` output get ``after_normalisation`` (within one jaxpr)."""
+    centred: set = set()
+    normalised: set = set()
+    for k, eqn in enumerate(jaxpr.eqns):
+        ins = [v for v in eqn.invars if is_var(v)]
+        if facts[k].centring:
+            centred.update(eqn.outvars)
+        elif facts[k].rms_scaling:
+            normalised.update(eqn.outvars)
+        elif eqn.primitive.name in ("mul", "div") and any(v in centred for v in ins):
+            normalised.update(eqn.outvars)
+        elif any(v in normalised for v in ins):
+            facts[k] = dataclasses.replace(facts[k], after_normalisation=True)
+
+
+def _eqn_in_bits(eqn: Any, outs: tuple[int, ...]) -> tuple[list[int], dict]:
+    """Bits of an equation's inputs from those of its outputs, plus the extra
+    facts of higher-order equations."""
+    name = eqn.primitive.name
+    n = len(eqn.invars)
+    reach = REACH if any(b & REACH for b in outs) else 0
+    if name in MATMULS:
+        return [REACH] * n, {}
+    if name == "scan":
+        return _scan_bits(eqn, outs)
+    if name in CALLS:
+        subs = named_subs(eqn.params)
+        if len(subs) == 1 and len(subs[0][1].invars) == n:
+            sub, core = subs[0]
+            inner = analyse(core, outs)
+            return list(inner.in_bits), {"sub_out_bits": {id(sub): outs}}
+    if name == "cond":
+        branches = eqn.params["branches"]
+        ins = [0] * n
+        for br in branches:
+            inner = analyse(_compat.jaxpr_parts(br)[0], outs)
+            for i, b in enumerate(inner.in_bits):
+                ins[i + 1] |= b
+        return ins, {"sub_out_bits": {id(br): outs for br in branches}}
+    if name == "while":
+        return _while_bits(eqn, outs)
+    if named_subs(eqn.params):  # unknown higher-order primitive: conservative
+        return [REACH] * n, {}
+    passed = 0
+    if name == "transpose":
+        passed = TRANSPOSED
+    elif name in ("convert_element_type", "copy", "copy_p", "reduce_precision"):
+        for b in outs:
+            passed |= b & (WIDE | SUM | TRANSPOSED)
+    elif name in _PASS:
+        for b in outs:
+            passed |= b & (WIDE | SUM)
+    elif name in _WIDE_USES:
+        passed = WIDE
+    elif name == "reduce_sum":
+        passed = SUM
+    return [reach | passed] * n, {}
+
+
+def _scan_bits(eqn: Any, outs: tuple[int, ...]) -> tuple[list[int], dict]:
+    n_consts, n_carry = _compat.scan_carry_range(eqn.params)
+    body = eqn.params["jaxpr"]
+    core = _compat.jaxpr_parts(body)[0]
+    sub_out = list(outs)
+    for _ in range(4):  # carries: a fixpoint over monotone bits
+        inner = analyse(core, tuple(sub_out))
+        carry_in = inner.in_bits[n_consts : n_consts + n_carry]
+        new = [o | c for o, c in zip(outs[:n_carry], carry_in)] + list(outs[n_carry:])
+        if new == sub_out:
+            break
+        sub_out = new
+    logspace = _log_space_carries(core, n_consts, n_carry)
+    narrow = tuple(
+        bool(carry_in[c] & REACH) and c not in logspace for c in range(n_carry)
+    )
+    extra = {"sub_out_bits": {id(body): tuple(sub_out)}, "narrow_carries": narrow}
+    return list(inner.in_bits), extra
+
+
+def _while_bits(eqn: Any, outs: tuple[int, ...]) -> tuple[list[int], dict]:
+    cn, bn = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+    cond, body = eqn.params["cond_jaxpr"], eqn.params["body_jaxpr"]
+    core = _compat.jaxpr_parts(body)[0]
+    sub_out = list(outs)
+    for _ in range(4):
+        inner = analyse(core, tuple(sub_out))
+        new = [o | c for o, c in zip(outs, inner.in_bits[bn:])]
+        if new == sub_out:
+            break
+        sub_out = new
+    cond_in = analyse(_compat.jaxpr_parts(cond)[0], (0,)).in_bits
+    ins = list(cond_in[:cn]) + list(inner.in_bits[:bn])
+    ins += [a | b for a, b in zip(inner.in_bits[bn:], cond_in[cn:])]
+    return ins, {"sub_out_bits": {id(body): tuple(sub_out), id(cond): (0,)}}
+
+
+# Ops whose output keeps the magnitude class of a squared input: sums, means,
+# shifts, products, data movement. sqrt/rsqrt/log bring it back into range.
+_SQUARE_KEEPS = (
+    _PASS
+    | COLLECTIVE_SUMS
+    | frozenset({"reduce_sum", "reduce_max", "reduce_min", "cumsum", "add_any", "abs"})
+)
+_SQ_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def squared_flags(jaxpr: Any, in_sq: tuple[bool, ...] | None) -> tuple:
+    """Forward range classes: which values have the magnitude of a square.
+
+    A square's output, and sums, means, products and shifts of it (a variance,
+    a sum of squares) can exceed float16's range while the values they came
+    from do not; a rule must not cast such a float32 value down to float16
+    (``h / jnp.var(h)``). ``sqrt``, ``rsqrt``, ``log`` and division by it end
+    the class.
+
+    Args:
+        jaxpr: an open jaxpr.
+        in_sq: per input, whether it is squared (None: none is).
+
+    Returns:
+        ``(per-equation (in flags, sub-jaxpr in flags), output flags)``, cached.
+    """
+    if in_sq is None or len(in_sq) != len(jaxpr.invars):
+        in_sq = (False,) * len(jaxpr.invars)
+    in_sq = tuple(in_sq)
+    try:
+        per = _SQ_CACHE.setdefault(jaxpr, {})
+    except TypeError:
+        per = {}
+    if in_sq not in per:
+        per[in_sq] = _squared(jaxpr, in_sq)
+    return per[in_sq]
+
+
+def _squared(jaxpr: Any, in_sq: tuple[bool, ...]) -> tuple:
+    sq: dict[Any, bool] = dict(zip(jaxpr.invars, in_sq))
+    producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+    per_eqn = []
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        ins = tuple(bool(is_var(v) and sq.get(v, False)) for v in eqn.invars)
+        subs = named_subs(eqn.params)
+        sub_in: dict = {}
+        if quadratic(eqn, producer):
+            outs = [True] * len(eqn.outvars)
+        elif name in CALLS and len(subs) == 1 and len(subs[0][1].invars) == len(ins):
+            sub_in = {id(subs[0][0]): ins}
+            outs = list(squared_flags(subs[0][1], ins)[1])
+        elif name == "div":
+            outs = [ins[0]]
+        elif name in _SQUARE_KEEPS:
+            outs = [any(ins)] * len(eqn.outvars)
+        else:
+            outs = [False] * len(eqn.outvars)
+        for v, f in zip(eqn.outvars, outs):
+            sq[v] = f
+        per_eqn.append((ins, sub_in))
+    outs = tuple(bool(is_var(v) and sq.get(v, False)) for v in jaxpr.outvars)
+    return tuple(per_eqn), outs
+
+
+def with_boundary(
+    jaxpr: Any, boundary: tuple | None, ignore: frozenset = frozenset()
+) -> tuple[EqnFacts, ...]:
+    """The facts of every equation of ``jaxpr`` for the interpreter.
+
+    Args:
+        jaxpr: an open jaxpr.
+        boundary: ``(out bits, in_squared)`` from the enclosing equation (see
+            :meth:`EqnFacts.boundary_for`), or None where unknown.
+        ignore: pattern facts not to derive (see :func:`analyse`).
+
+    Returns:
+        One :class:`EqnFacts` per equation.
+    """
+    out_bits, in_sq = boundary if boundary is not None else (None, None)
+    back = analyse(jaxpr, out_bits, ignore).eqns
+    fwd, _ = squared_flags(jaxpr, in_sq)
+    return tuple(
+        dataclasses.replace(f, in_squared=ins, sub_in_squared=sub or None)
+        for f, (ins, sub) in zip(back, fwd)
+    )
+
+
+def _log_space_carries(core: Any, n_consts: int, n_carry: int) -> set[int]:
+    """Carry indices of a scan body that a matmul-free path through an exp/log
+    op connects to some carry (a log-space recursion)."""
+    plain: dict[Any, int] = {}
+    logged: dict[Any, int] = {}
+    for c in range(n_carry):
+        plain[core.invars[n_consts + c]] = 1 << c
+    _forward_masks(core, plain, logged)
+    out = set()
+    for c in range(n_carry):
+        v = core.outvars[c]
+        mask = logged.get(v, 0) if is_var(v) else 0
+        if mask:
+            out.add(c)
+            out.update(i for i in range(n_carry) if mask >> i & 1)
+    return out
+
+
+def _forward_masks(core: Any, plain: dict, logged: dict) -> None:
+    """Propagate carry bitmasks forward through matmul-free paths, marking those
+    that pass a log-space op. Sub-jaxprs of call-like equations are entered."""
+    for eqn in core.eqns:
+        name = eqn.primitive.name
+        ins = [v for v in eqn.invars if is_var(v)]
+        p = 0
+        lg = 0
+        for v in ins:
+            p |= plain.get(v, 0)
+            lg |= logged.get(v, 0)
+        if not (p or lg) or name in MATMULS:
+            continue
+        subs = named_subs(eqn.params)
+        if name in CALLS and len(subs) == 1:
+            inner = subs[0][1]
+            if len(inner.invars) == len(eqn.invars):
+                ip: dict = {}
+                il: dict = {}
+                for iv, v in zip(inner.invars, eqn.invars):
+                    if is_var(v):
+                        ip[iv] = plain.get(v, 0)
+                        il[iv] = logged.get(v, 0)
+                _forward_masks(inner, ip, il)
+                for ov, v in zip(inner.outvars, eqn.outvars):
+                    if is_var(ov):
+                        plain[v] = ip.get(ov, 0)
+                        logged[v] = il.get(ov, 0)
+                continue
+        if name in _LOG_OPS:
+            lg |= p
+        for v in eqn.outvars:
+            plain[v] = p
+            logged[v] = lg

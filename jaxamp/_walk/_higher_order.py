@@ -1,0 +1,358 @@
+"""Registry: higher-order primitive -> how its sub-jaxprs are rewritten.
+
+Sub-jaxprs are rewritten by re-tracing the interpreter over their avals, and
+the same primitive is re-bound with the new jaxpr, so shardings, donation,
+layouts, remat policies and any parameter JAX adds later stay valid. Rewrites
+are cached per (sub-jaxpr, policy, compute dtype, scopes, signature): a jitted
+layer called N times is rewritten once.
+
+* ``jit``/``pjit``/``closed_call``/``remat2``: dtypes flow through, as if the
+  body were inlined (see :func:`_call`).
+* ``scan``: the policy's ``"scan"`` rule chooses the carry dtype; inputs that
+  the rewritten body only reads in a narrower dtype are cast before the loop
+  (``_hoist.py``).
+* ``while``, ``cond``, ``shard_map``: identical input and output avals.
+* ``custom_jvp_call`` / ``custom_vjp_call``: the primal is rewritten *and* the
+  user's jvp / fwd / bwd rules are wrapped so that they still run under
+  ``jax.grad`` (in mixed precision too), never inlined away.
+
+A primitive with sub-jaxprs that is not registered here (e.g. ``pallas_call``)
+runs unchanged, with its inputs restored to their traced dtypes.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from .. import _compat
+from .._base import _state
+from .._base._cast import cast, cast_cache, restore
+from .._base._dtypes import dtype_of
+from .._policy._residuals import is_held
+from .._values import _facts
+from ._loop import (
+    AmpContext,
+    HigherOrderRule,
+    check_rule_result,
+    eval_jaxpr,
+    restore_inputs,
+    run_unchanged,
+)
+from ._scan_hoist import loop_casts, with_dtypes, without_casts
+
+# The default table: primitive name -> rule. ``amp`` hands it to the
+# interpreter (``_interpreter.Pipeline``); rules registered later apply too.
+higher_order_rules: dict[str, HigherOrderRule] = {}
+
+# sub-jaxpr -> {context key: rewritten jaxpr}. Keyed weakly by the jaxpr object:
+# jit caches its traces, so one jitted layer called N times is rewritten once.
+_REWRITES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def register_higher_order(*names: str) -> Callable[[HigherOrderRule], HigherOrderRule]:
+    """Register ``rule(eqn, invals, ctx) -> outvals`` for primitive ``names``.
+
+    Args:
+        *names: one or more primitive names (``eqn.primitive.name``, e.g.
+            ``"my_call"``).
+
+    Returns:
+        A decorator that registers ``rule`` and returns it unchanged.
+
+    Raises:
+        TypeError: if no name is given or a name is not a string.
+    """
+    if not names or not all(isinstance(n, str) for n in names):
+        raise TypeError(
+            f"register_higher_order(*names): give primitive names as strings, "
+            f"e.g. register_higher_order('my_call')(rule); got {names!r}."
+        )
+
+    def register(rule: HigherOrderRule) -> HigherOrderRule:
+        for name in names:
+            higher_order_rules[name] = rule
+        return rule
+
+    return register
+
+
+FREE = "free"  # out_dtypes: outputs keep whatever dtype the rewritten body gives
+
+
+def rewrite_jaxpr(
+    jaxpr: Any,
+    ctx: AmpContext,
+    in_dtypes: tuple | None = None,
+    out_dtypes: tuple | str | None = None,
+    held: tuple[bool, ...] = (),
+) -> Any:
+    """``jaxpr`` rewritten under ``ctx``; by default with identical in/out avals.
+
+    ``in_dtypes`` / ``out_dtypes`` (one entry per input / output, None to keep
+    the traced dtype) change the signature where a rule asked for it (scan
+    carries); ``out_dtypes=FREE`` lets outputs leave in the dtype the body
+    computes them in (call-like primitives). ``held`` marks the inputs bound to
+    held values (:func:`jaxamp._residuals.is_held`) where JAX's partial
+    evaluation forwards them as residuals. Returns a jaxpr of the same kind
+    (closed or open), or None when an open jaxpr would need constants it
+    cannot carry (the caller then runs the equation unchanged).
+    """
+    try:
+        per_jaxpr = _REWRITES.setdefault(jaxpr, {})
+    except TypeError:  # not weak-referenceable: no caching
+        per_jaxpr = {}
+    # The value facts of the outputs' uses, as the enclosing equation's analysis
+    # found them (None when traced lazily, e.g. a jvp rule under jax.grad).
+    edge = _facts.current_facts().boundary_for(jaxpr)
+    key = (ctx.key, in_dtypes, out_dtypes, held, edge, _state.current().recomputed)
+    if key not in per_jaxpr:
+        new = _retrace(jaxpr, ctx, in_dtypes, out_dtypes, held, edge)
+        per_jaxpr[key] = _compat.like(jaxpr, new)
+    return per_jaxpr[key]
+
+
+def _retrace(
+    jaxpr: Any, ctx: AmpContext, in_dtypes=None, out_dtypes=None, held=(), edge=None
+) -> Any:
+    core, consts = _compat.jaxpr_parts(jaxpr)
+    in_avals = with_dtypes([v.aval for v in core.invars], in_dtypes)
+    free = isinstance(out_dtypes, str) and out_dtypes == FREE
+    out_avals = [v.aval for v in core.outvars]
+    if not free:
+        out_avals = with_dtypes(out_avals, out_dtypes)
+
+    def amp_body(*args):
+        # A fresh cast cache per trace: a cast made in this trace must never be
+        # served to another one (it would leak a tracer).
+        with cast_cache():
+            outs = eval_jaxpr(core, consts, args, ctx, held, boundary=edge)
+            if free:
+                return outs
+            return [restore(x, a) for x, a in zip(outs, out_avals)]
+
+    return _compat.trace_to_closed_jaxpr(amp_body, in_avals)
+
+
+def _rewrite_params(params: dict, ctx: AmpContext) -> dict | None:
+    new = dict(params)
+    for name, val in params.items():
+        if _compat.is_jaxpr(val):
+            new[name] = rewrite_jaxpr(val, ctx)
+            if new[name] is None:
+                return None
+        elif isinstance(val, tuple) and val and all(map(_compat.is_jaxpr, val)):
+            new[name] = tuple(rewrite_jaxpr(v, ctx) for v in val)
+            if any(v is None for v in new[name]):
+                return None
+    return new
+
+
+@register_higher_order(
+    "jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint"
+)
+def _call(eqn: Any, invals: list, ctx: AmpContext) -> Any:
+    """Call-like primitives: dtypes flow through as if the body were inlined.
+
+    The body is rewritten for the dtypes its inputs have now, and its outputs
+    leave in the dtypes the policy computed them in. So ``amp(jit(f))`` makes
+    the same precision choices as ``amp(f)``, a ``jax.checkpoint``-ed layer
+    saves its low-precision inputs, and no cast pair is spent at each call
+    boundary. Shardings, layouts, donation and remat policies are per input and
+    stay valid.
+    """
+    (name,) = [k for k, v in eqn.params.items() if _compat.is_jaxpr(v)]
+    in_dtypes = _changed_dtypes(invals, eqn.invars)
+    params = dict(eqn.params)
+    # Held inputs stay held through a jit; inside a user's checkpoint its own
+    # policy decides what is saved (a dots_saveable policy must see the dots).
+    remat = eqn.primitive.name in ("remat2", "checkpoint")
+    held = () if remat else tuple(map(is_held, invals))
+    with _state.recomputing(remat):
+        params[name] = rewrite_jaxpr(params[name], ctx, in_dtypes, FREE, held)
+    if params[name] is None:
+        return run_unchanged(eqn, invals, ctx)
+    bparams = _compat.bind_params(eqn.primitive, params)
+    return _compat.bind(eqn.primitive, invals, bparams)
+
+
+@register_higher_order("while", "cond")
+def rewrite_subjaxprs(eqn: Any, invals: list, ctx: AmpContext) -> Any:
+    """Default rule: rewrite every sub-jaxpr parameter, re-bind the primitive."""
+    new_params = _rewrite_params(eqn.params, ctx)
+    if new_params is None:
+        return run_unchanged(eqn, invals, ctx)
+    params = _compat.bind_params(eqn.primitive, new_params)
+    return _compat.bind(eqn.primitive, restore_inputs(eqn, invals), params)
+
+
+@register_higher_order("scan")
+def _scan(eqn: Any, invals: list, ctx: AmpContext) -> Any:
+    """Scan: the policy's rule for ``scan`` chooses the dtype of the carries.
+
+    By default (see ``_rules.py``) float carries are narrowed to bfloat16 when
+    that is the compute dtype, which removes the float32 residual stream of a
+    scanned transformer, and keep their traced dtype otherwise. Consts and the
+    stacked weights of checkpointed layers that the body only reads in the
+    compute dtype are cast once, before the loop (:func:`jaxamp._hoist.loop_casts`).
+    """
+    n_consts, n_carry = _compat.scan_carry_range(eqn.params)
+    invals = restore_inputs(eqn, invals)
+    carry_vars = eqn.invars[n_consts : n_consts + n_carry]
+    rule = ctx.policy.lookup(eqn.primitive, ctx.scopes)
+    result = rule(
+        ctx.compute_dtype,
+        [v.aval.dtype for v in carry_vars],
+        *invals[n_consts : n_consts + n_carry],
+    )
+    carry, _ = check_rule_result(result, eqn.primitive, rule, n_carry)
+    dtypes = tuple(
+        None if getattr(c, "dtype", None) == v.aval.dtype else c.dtype
+        for c, v in zip(carry, carry_vars)
+    )
+    n_in = len(eqn.invars)
+    in_dtypes = (None,) * n_consts + dtypes + (None,) * (n_in - n_consts - n_carry)
+    out_dtypes = dtypes + (None,) * (len(eqn.outvars) - n_carry)
+    # Held consts and xs: scan's partial evaluation forwards them as residuals.
+    held = tuple(
+        is_held(x) and not n_consts <= i < n_consts + n_carry
+        for i, x in enumerate(invals)
+    )
+    params = dict(eqn.params)
+    body = rewrite_jaxpr(params["jaxpr"], ctx, in_dtypes, out_dtypes, held)
+    if body is None:
+        return run_unchanged(eqn, invals, ctx)
+    # Inputs the rewritten body only reads in a narrower dtype are cast once,
+    # before the loop, and their casts leave the body (_hoist.py).
+    off = "loop_casts" in ctx.pipeline.off
+    casts = () if off else loop_casts(eqn, body, n_consts, n_carry)
+    if any(d is not None for d in casts):
+        replayed = without_casts(body, casts)
+        if replayed is not None:  # None: an open body would need consts
+            body = replayed
+            invals = [x if c is None else cast(x, c) for x, c in zip(invals, casts)]
+    params["jaxpr"] = body
+    invals[n_consts : n_consts + n_carry] = carry
+    bparams = _compat.bind_params(eqn.primitive, params)
+    return _compat.bind(eqn.primitive, invals, bparams)
+
+
+@register_higher_order("shard_map")
+def _shard_map(eqn: Any, invals: list, ctx: AmpContext) -> Any:
+    # The body is traced in shard_map's own context: manual mesh axes bound.
+    with _compat.shard_map_context(eqn.params):
+        new_params = _rewrite_params(eqn.params, ctx)
+    if new_params is None:
+        return run_unchanged(eqn, invals, ctx)
+    params = _compat.bind_params(eqn.primitive, new_params)
+    return _compat.bind(eqn.primitive, restore_inputs(eqn, invals), params)
+
+
+def _amp_closed_jaxpr(jaxpr: Any, consts: list, ctx: AmpContext) -> tuple[Any, list]:
+    new = rewrite_jaxpr(_compat.ClosedJaxpr(jaxpr, consts), ctx)
+    return _compat.jaxpr_parts(new)
+
+
+@register_higher_order("custom_jvp_call")
+def _custom_jvp_call(eqn: Any, invals: list, ctx: AmpContext) -> Any:
+    """custom_jvp: the primal and the user's jvp rule are both rewritten.
+
+    Dtypes flow through as for ``jit``: the primal body is rewritten for the
+    dtypes its inputs have now (a bfloat16 activation entering
+    ``jax.nn.relu`` stays bfloat16), and the jvp rule, traced by JAX at the
+    original dtypes, is rewritten for the same input dtypes (tangents share
+    their primal's dtype) and made to return the primal's output dtypes.
+    """
+    params = dict(eqn.params)
+    n_consts = params["num_consts"]
+    in_dtypes = _changed_dtypes(invals, eqn.invars)
+    call = rewrite_jaxpr(params["call_jaxpr"], ctx, in_dtypes, FREE)
+    core, _ = _compat.jaxpr_parts(call)
+    out_dtypes = _changed_dtypes(core.outvars, eqn.outvars)
+    params["call_jaxpr"] = call
+    user_jvp = params["jvp_jaxpr_fun"]
+    primal_in = in_dtypes[n_consts:]
+
+    def amp_jvp(*zeros):
+        # zeros: which input tangents are symbolic zeros; the jvp jaxpr takes
+        # (primals, nonzero tangents) and returns (primals, nonzero tangents).
+        jvp_jaxpr, jvp_consts, out_zeros, *rest = user_jvp.call_wrapped(*zeros)
+        jin = primal_in + tuple(d for d, z in zip(primal_in, zeros) if not z)
+        jout = out_dtypes + tuple(d for d, z in zip(out_dtypes, out_zeros) if not z)
+        new = rewrite_jaxpr(_compat.ClosedJaxpr(jvp_jaxpr, jvp_consts), ctx, jin, jout)
+        return (*_compat.jaxpr_parts(new), out_zeros, *rest)
+
+    params["jvp_jaxpr_fun"] = _compat.wrap_fun(amp_jvp, user_jvp)
+    bparams = _compat.bind_params(eqn.primitive, params)
+    return _compat.bind(eqn.primitive, invals, bparams)
+
+
+def _changed_dtypes(values: list, like_vars: list) -> tuple:
+    """Per value: its dtype where it differs from ``like_vars``' traced one."""
+    return tuple(
+        None if d == v.aval.dtype else d
+        for d, v in zip((_value_dtype(x) for x in values), like_vars)
+    )
+
+
+def _value_dtype(x: Any) -> Any:
+    aval = getattr(x, "aval", None)  # a jaxpr Var
+    return aval.dtype if aval is not None else dtype_of(x)
+
+
+@register_higher_order("custom_vjp_call")
+def _custom_vjp_call(eqn: Any, invals: list, ctx: AmpContext) -> Any:
+    params = dict(eqn.params)
+    params["call_jaxpr"] = rewrite_jaxpr(params["call_jaxpr"], ctx)
+    user_fwd, user_bwd = params["fwd_jaxpr_thunk"], params["bwd"]
+
+    def amp_fwd(*nonzeros):
+        fwd_jaxpr, fwd_consts = user_fwd.call_wrapped(*nonzeros)
+        return _amp_closed_jaxpr(fwd_jaxpr, fwd_consts, ctx)
+
+    def amp_bwd(*args):
+        return _amp_call(user_bwd.call_wrapped, args, ctx)
+
+    params["fwd_jaxpr_thunk"] = _compat.wrap_fun(amp_fwd, user_fwd)
+    params["bwd"] = _compat.wrap_fun(amp_bwd, user_bwd)
+    bparams = _compat.bind_params(eqn.primitive, params)
+    return _compat.bind(eqn.primitive, restore_inputs(eqn, invals), bparams)
+
+
+def _amp_call(fn: Callable, args: tuple, ctx: AmpContext) -> Any:
+    """Call ``fn(*args)`` with its computation rewritten under ``ctx``.
+
+    Only array arguments are traced; the others (``SymbolicZero`` cotangents of
+    a ``symbolic_zeros=True`` rule, None, Python values) reach ``fn`` exactly
+    as JAX passes them. The result may be any pytree (a bwd rule returns a list
+    of cotangents, and since JAX 0.11 a ``(cotangents, logs)`` pair); leaves
+    that are not arrays (symbolic zeros, None) pass through unchanged.
+    """
+    meta: dict[str, Any] = {}
+    traced = [i for i, a in enumerate(args) if isinstance(a, jax.Array)]
+
+    def arrays_only(*xs):
+        full = list(args)
+        for i, x in zip(traced, xs):
+            full[i] = x
+        leaves, meta["tree"] = jax.tree_util.tree_flatten(fn(*full))
+        meta["others"] = {
+            i: x for i, x in enumerate(leaves) if not isinstance(x, jax.Array)
+        }
+        meta["n"] = len(leaves)
+        return [x for x in leaves if isinstance(x, jax.Array)]
+
+    in_args = [args[i] for i in traced]
+    closed = _compat.trace_to_closed_jaxpr(
+        arrays_only, [jax.typeof(a) for a in in_args]
+    )
+    core, consts = _compat.jaxpr_parts(closed)
+    with cast_cache():
+        outs = eval_jaxpr(core, consts, in_args, ctx)
+        outs = iter([restore(x, v.aval) for x, v in zip(outs, core.outvars)])
+    others = meta["others"]
+    leaves = [others[i] if i in others else next(outs) for i in range(meta["n"])]
+    return jax.tree_util.tree_unflatten(meta["tree"], leaves)

@@ -1,0 +1,329 @@
+"""The equation loop: read, look up the rule, cast, bind, write.
+
+This module is mechanism only: it names no primitive family and no feature.
+It is handed, in :class:`Pipeline`, the tables that decide everything else:
+
+* ``higher_order``: primitive name -> how an equation with sub-jaxprs is
+  rewritten (``_higher_order.py`` fills it); a primitive with sub-jaxprs that
+  is not in it runs unchanged (:func:`run_unchanged`);
+* ``rewrites``: pattern rewrites (:class:`PatternRewrite`): each finds regions
+  of a jaxpr (:class:`Region`: equations the loop skips and replaces at the
+  last one);
+* the policy (``_amp_policy.py``): primitive or scope -> rule, for every other
+  equation; what its backward pass saves is ``_residuals.py``'s choice.
+
+See ``docs/design.md`` for the pipeline from ``amp(fn)`` to the rewritten
+function.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from .. import _compat
+from .._base import _overflow, _state
+from .._base._cast import cast_cache, restore
+from .._base._jaxpr import read, write
+from .._policy import _derived_sums, _residuals
+from .._policy._lookup import AmpPolicy
+from .._values import _facts
+
+HigherOrderRule = Callable[[Any, list, "AmpContext"], Any]
+
+
+class Region(NamedTuple):
+    """Equations of one jaxpr that a pattern rewrite replaces together.
+
+    Attributes:
+        eqns: the equations' indices, ascending. The loop skips all but the
+            last once the region has started, and writes the last one's
+            outputs from ``finish``; no equation outside the region may read
+            the outputs of the others.
+        start: ``start(walk) -> token``, called at ``eqns[0]``: None leaves the
+            region to the loop (every equation is walked as usual); anything
+            else starts it and is handed to ``finish``.
+        finish: ``finish(walk, token) -> outputs`` of ``eqns[-1]`` (a list for
+            multiple results), called at ``eqns[-1]``; None walks ``eqns[-1]``
+            as usual (only meaningful for a one-equation region).
+    """
+
+    eqns: tuple[int, ...]
+    start: Callable[[Walk], Any]
+    finish: Callable[[Walk, Any], Any]
+
+
+class PatternRewrite(NamedTuple):
+    """A plug-in that replaces patterns of equations (attention, RMSNorm).
+
+    Attributes:
+        name: a short name, for configuration and error messages.
+        regions: ``regions(jaxpr, facts) -> iterable of Region`` for an open
+            jaxpr and its per-equation value facts.
+        tracing: a context manager factory entered while ``amp`` traces the
+            user's function (e.g. to keep a library call recognisable), or
+            None.
+    """
+
+    name: str
+    regions: Callable[[Any, Sequence[Any]], Iterable[Region]]
+    tracing: Callable[[], contextlib.AbstractContextManager] | None = None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Pipeline:
+    """The tables one ``amp`` walks with (compared by identity).
+
+    Attributes:
+        higher_order: primitive name -> :data:`HigherOrderRule`; read at each
+            equation, so rules registered later apply.
+        rewrites: pattern rewrites, in priority order (the first to claim an
+            equation wins).
+        ignore_facts: pattern facts the analysis does not derive
+            (``_facts.analyse``), for ablations.
+        off: residual and loop choices switched off, for ablations:
+            ``"narrow_activations"`` (:func:`jaxamp._residuals.bind_saving_less`
+            casts no activation early) and ``"loop_casts"`` (the ``scan`` rule
+            moves no cast before the loop).
+    """
+
+    higher_order: Mapping[str, HigherOrderRule]
+    rewrites: tuple[PatternRewrite, ...] = ()
+    ignore_facts: frozenset = frozenset()
+    off: frozenset = frozenset()
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class AmpContext:
+    """What one jaxpr walk needs: the compute dtype, the policy, the tables,
+    and the ``named_scope`` components of the enclosing equations (sub-jaxprs
+    are traced with a fresh name stack, so the walk carries the prefix)."""
+
+    compute_dtype: np.dtype
+    policy: AmpPolicy
+    pipeline: Pipeline
+    scopes: tuple[str, ...] = ()
+
+    def inside(self, scopes: tuple[str, ...]) -> AmpContext:
+        """The context for a sub-jaxpr of an equation with scope ``scopes``."""
+        if scopes == self.scopes:
+            return self
+        return dataclasses.replace(self, scopes=scopes)
+
+    @property
+    def key(self) -> tuple:
+        """Cache key of a sub-jaxpr rewrite under this context."""
+        return (self.policy, self.compute_dtype, self.scopes, self.pipeline)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Walk:
+    """One walk of one jaxpr, as a :class:`Region` sees it."""
+
+    jaxpr: Any
+    facts: tuple
+    env: dict
+    ctx: AmpContext
+
+    def read(self, v: Any) -> Any:
+        """The current value of variable or literal ``v``."""
+        return read(self.env, v)
+
+    def run_eqn(self, j: int, env: dict | None = None) -> None:
+        """Walk equation ``j`` as the loop would, on ``env`` (default: the
+        walk's own environment)."""
+        _run_eqn(
+            self.jaxpr.eqns[j],
+            self.facts[j],
+            self.env if env is None else env,
+            self.ctx,
+        )
+
+
+def eval_jaxpr(
+    jaxpr: Any,
+    consts: Sequence[Any],
+    args: Sequence[Any],
+    ctx: AmpContext,
+    held: Sequence[bool] = (),
+    consts_held: bool = False,
+    boundary: tuple | None = None,
+) -> list[Any]:
+    """Evaluate ``jaxpr`` with every equation re-bound under the amp policy.
+
+    Args:
+        jaxpr: an open jaxpr (``constvars``, ``invars``, ``eqns``, ``outvars``).
+        consts: values for ``jaxpr.constvars``.
+        args: values for ``jaxpr.invars`` (in their traced dtypes).
+        ctx: compute dtype, policy, tables and enclosing scopes.
+        held: per arg, whether it stays alive for the whole step anyway (see
+            :attr:`jaxamp._state.WalkState.held`); a matmul whose cast inputs
+            are all held recomputes the casts in the backward pass instead of
+            saving the copies.
+        consts_held: whether ``consts`` are held (closed-over values of the
+            amp'd function).
+        boundary: ``(out bits, in_squared)``, the value facts at the edges of
+            ``jaxpr`` (:mod:`jaxamp._facts`): the uses of its outputs (all zero
+            for the amp'd function's own outputs) and which inputs have the
+            magnitude of a square; None where unknown (conservative).
+
+    Returns:
+        The output values, in whatever dtype the policy left them; callers cast
+        back (:func:`jaxamp._cast.restore`) where the surrounding code needs
+        the traced avals.
+
+    Raises:
+        TypeError: if a rule returns the wrong number of inputs (names the
+            primitive and the rule).
+    """
+    env: dict[Any, Any] = {}
+    env.update(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    pairs = [*zip(args, held), *((c, consts_held) for c in consts)]
+    held_map = {id(x): x for x, h in pairs if h and isinstance(x, jax.Array)}
+    with _state.updated(held=held_map):
+        return _eval_eqns(jaxpr, env, ctx, boundary)
+
+
+def _plan(jaxpr: Any, facts: Sequence, rewrites: Sequence[PatternRewrite]) -> dict:
+    """Equation index -> the region claiming it (the first claim wins)."""
+    plan: dict[int, Region] = {}
+    for rewrite in rewrites:
+        for region in rewrite.regions(jaxpr, facts):
+            if not any(j in plan for j in region.eqns):
+                plan.update((j, region) for j in region.eqns)
+    return plan
+
+
+def _eval_eqns(jaxpr: Any, env: dict, ctx: AmpContext, boundary) -> list[Any]:
+    pipeline = ctx.pipeline
+    facts = _facts.with_boundary(jaxpr, boundary, pipeline.ignore_facts)
+    plan = _plan(jaxpr, facts, pipeline.rewrites)
+    walk = Walk(jaxpr, facts, env, ctx)
+    started: dict[int, Any] = {}  # first index of a started region -> token
+    with cast_cache():
+        for i, eqn in enumerate(jaxpr.eqns):
+            region = plan.get(i)
+            if region is not None and _in_region(walk, region, i, started):
+                continue
+            _run_eqn(eqn, facts[i], env, ctx)
+        return [read(env, v) for v in jaxpr.outvars]
+
+
+def _in_region(walk: Walk, region: Region, i: int, started: dict) -> bool:
+    """Whether ``region`` took care of equation ``i``: skipped it (a started
+    region's equation before its last) or wrote its outputs (the last)."""
+    first = region.eqns[0]
+    if i == first:
+        token = region.start(walk)
+        if token is None:
+            return False
+        started[first] = token
+    if first not in started:
+        return False
+    if i != region.eqns[-1]:
+        return True
+    outs = region.finish(walk, started[first])
+    if outs is None:
+        return False
+    write(walk.env, walk.jaxpr.eqns[i], outs)
+    return True
+
+
+def _run_eqn(eqn: Any, eqn_facts: Any, env: dict, ctx: AmpContext) -> None:
+    """Rewrite (higher-order) or re-bind (rule) one equation with its facts
+    current, reading its inputs from ``env`` and writing its outputs there."""
+    invals = [read(env, v) for v in eqn.invars]
+    scopes = ctx.scopes + _compat.scope_names(eqn)
+    with _state.updated(facts=eqn_facts), _compat.eqn_context(eqn):
+        hop = ctx.pipeline.higher_order.get(eqn.primitive.name)
+        if hop is not None:
+            outs = hop(eqn, invals, ctx.inside(scopes))
+        elif any(True for _ in _compat.sub_jaxprs(eqn.params)):
+            outs = run_unchanged(eqn, invals)
+        else:
+            outs = _apply_rule(eqn, invals, ctx, scopes)
+    write(env, eqn, outs)
+
+
+def run_unchanged(eqn: Any, invals: list, ctx: AmpContext | None = None) -> Any:
+    """Bind the equation as traced, inputs restored to their traced dtypes."""
+    del ctx
+    params = _compat.bind_params(eqn.primitive, eqn.params)
+    return _compat.bind(eqn.primitive, restore_inputs(eqn, invals), params)
+
+
+def restore_inputs(eqn: Any, invals: list) -> list:
+    """``invals`` cast back to the dtypes ``eqn`` was traced with."""
+    return [restore(x, v.aval) for x, v in zip(invals, eqn.invars)]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RuleCall:
+    """One equation's rule, ready to decide its inputs and bind."""
+
+    prim: Any
+    rule: Callable
+    params: dict
+    original: list
+    compute_dtype: np.dtype
+
+    @property
+    def name(self) -> str:
+        """The primitive's name."""
+        return self.prim.name
+
+    def decide(self, *vals: Any) -> tuple[list, dict]:
+        """The rule's ``(inputs, bind params)`` for ``vals``, validated."""
+        result = self.rule(self.compute_dtype, self.original, *vals, **self.params)
+        return check_rule_result(result, self.prim, self.rule, len(vals))
+
+    def bind(self, new_params: dict, *new_in: Any) -> Any:
+        """Bind the primitive (float32 sums of derived broadcasts, a product
+        the backend can run, overflow check)."""
+        outs = _derived_sums.bind(self.prim, new_in, new_params)
+        transposed = _facts.current_facts().transposed
+        outs = _compat.runnable_product(self.prim, new_in, new_params, outs, transposed)
+        return _overflow.poison(self.prim.name, new_in, outs)
+
+    def apply(self, *vals: Any) -> Any:
+        """Decide, then bind."""
+        new_in, new_params = self.decide(*vals)
+        return self.bind(new_params, *new_in)
+
+
+def _apply_rule(eqn: Any, invals: list, ctx: AmpContext, scopes: tuple) -> Any:
+    prim = eqn.primitive
+    rule = ctx.policy.lookup(prim, scopes)
+    params = _compat.bind_params(prim, eqn.params)
+    original = [v.aval.dtype for v in eqn.invars]
+    if getattr(rule, "amp_impl", False):  # an implementation rule (e.g. FP8)
+        return rule(ctx.compute_dtype, original, *invals, **params)
+    call = RuleCall(prim, rule, params, original, ctx.compute_dtype)
+    if rule is ctx.policy.stop_rule:  # amp_stop regions stay as traced
+        return call.apply(*invals)
+    narrow = "narrow_activations" not in ctx.pipeline.off
+    return _residuals.bind_saving_less(call, invals, narrow)
+
+
+def check_rule_result(result, prim, rule: Callable, n: int):
+    """Validate a rule's ``(invars, bind_params)`` result for ``n`` inputs."""
+    name = getattr(rule, "__name__", repr(rule))
+    if not (isinstance(result, (tuple, list)) and len(result) == 2):
+        raise TypeError(
+            f"amp rule {name} for primitive '{prim.name}' must return "
+            f"(invars, bind_params), got {type(result).__name__}."
+        )
+    new_in, new_params = result
+    if len(new_in) != n or not isinstance(new_params, Mapping):
+        raise TypeError(
+            f"amp rule {name} for primitive '{prim.name}' returned {len(new_in)} "
+            f"inputs and {type(new_params).__name__} params; expected {n} inputs "
+            "(one per input of the equation) and a dict of bind params."
+        )
+    return list(new_in), dict(new_params)

@@ -1,0 +1,225 @@
+"""Scan input hoisting: cast loop-invariant weights once, before the loop.
+
+The scan rule (``_higher_order.py``) rewrites a loop body first; this module
+then finds the inputs that every use in the rewritten body only reads in one
+narrower dtype (:func:`narrowed_inputs`: a float32 weight read only by bfloat16
+matmuls) and, for consts and for xs read only inside a user's
+``jax.checkpoint`` (:func:`recomputed_inputs`), moves their casts before the
+loop (:func:`loop_casts`, :func:`without_casts`): one cast per step instead of
+one per iteration, as a careful engineer casts parameters before ``lax.scan``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .. import _compat
+from .._base import _overflow
+from .._base._dtypes import is_float
+from .._base._jaxpr import bind_eqn, evaluate, is_var, named_subs
+from .._base._prims import PLAIN_CALLS, REMATS
+from .._policy._residuals import is_recast
+
+
+def with_dtypes(avals: list, dtypes: tuple | None) -> list:
+    """``avals`` with each dtype replaced where ``dtypes`` has one (not None)."""
+    if dtypes is None:
+        return avals
+    return [
+        a if d is None else a.update(dtype=d, weak_type=False)
+        for a, d in zip(avals, dtypes)
+    ]
+
+
+def _leaf_uses(core: Any, var: Any, in_remat: bool = False):
+    """``(eqn, in_remat)`` for every equation using ``var`` in ``core``, the
+    bodies of call-like equations entered; ``eqn`` is None where ``var`` is an
+    output. ``in_remat``: the use is inside a ``jax.checkpoint`` body."""
+    if any(v is var for v in core.outvars):
+        yield None, in_remat
+    for eqn in core.eqns:
+        subs = named_subs(eqn.params)
+        for pos, v in enumerate(eqn.invars):
+            if v is not var:
+                continue
+            name = eqn.primitive.name
+            if (
+                name in PLAIN_CALLS
+                and len(subs) == 1
+                and len(subs[0][1].invars) == len(eqn.invars)
+            ):
+                inner = subs[0][1]
+                yield from _leaf_uses(
+                    inner, inner.invars[pos], in_remat or name in REMATS
+                )
+            else:
+                yield eqn, in_remat
+
+
+def narrowed_inputs(jaxpr: Any) -> tuple[Any, ...]:
+    """Per input of ``jaxpr``: the narrower float dtype that *every* use of it
+    converts it to, else None.
+
+    Read on a body amp has already rewritten: an input all of whose uses are
+    ``convert_element_type`` to one dtype narrower than its own (a float32
+    weight read only by bfloat16 matmuls, directly or inside ``jit``/``remat``
+    bodies) can be passed in that dtype instead, with the same results. The
+    finite tests of a float16 cast's overflow check do not count as reads: the
+    cast before the loop carries the check (the body's own check of the
+    narrowed value then finds nothing fresh). An input that is also an output,
+    read by any other equation, or converted to two different dtypes gets None.
+
+    Args:
+        jaxpr: an open or closed jaxpr.
+
+    Returns:
+        One numpy dtype or None per input.
+    """
+    core, _ = _compat.jaxpr_parts(jaxpr)
+    out = []
+    for var in core.invars:
+        seen = set()
+        for eqn, _ in _leaf_uses(core, var):
+            if eqn is not None and _overflow.is_check(eqn):
+                continue  # the finite test of a cast's overflow check
+            if eqn is None or eqn.primitive.name != "convert_element_type":
+                seen = None
+                break
+            seen.add(np.dtype(eqn.params["new_dtype"]))
+        src = var.aval.dtype
+        ok = seen is not None and len(seen) == 1 and is_float(src)
+        dtype = next(iter(seen)) if ok else None
+        if dtype is not None and (
+            not is_float(dtype) or dtype.itemsize >= np.dtype(src).itemsize
+        ):
+            dtype = None
+        out.append(dtype)
+    return tuple(out)
+
+
+def recomputed_inputs(jaxpr: Any) -> tuple[bool, ...]:
+    """Per input of ``jaxpr``: whether it is used, and only inside the body of
+    a ``jax.checkpoint`` (``remat``), whose backward pass re-runs every use.
+
+    Args:
+        jaxpr: an open or closed jaxpr, as traced (before amp's rewrite, which
+            adds checkpoints of its own).
+
+    Returns:
+        One bool per input.
+    """
+    core, _ = _compat.jaxpr_parts(jaxpr)
+    out = []
+    for var in core.invars:
+        uses = list(_leaf_uses(core, var))
+        out.append(bool(uses) and all(e is not None and r for e, r in uses))
+    return tuple(out)
+
+
+def loop_casts(eqn: Any, body: Any, n_consts: int, n_carry: int) -> tuple:
+    """Per scan input: the dtype to cast it to once, before the loop, or None.
+
+    A const or xs input that every use in the rewritten ``body`` converts to
+    one narrower dtype (a float32 weight read only by bfloat16 matmuls) is cast
+    before the loop, as a careful engineer casts parameters before
+    ``lax.scan``:
+
+    * consts: one cast instead of one per iteration (and one per iteration
+      again in the backward pass); the low-precision copy is one array.
+    * xs read only inside a user's ``jax.checkpoint`` (scanned, checkpointed
+      layers): the loop casts each layer's weights twice (forward and
+      recomputation) in small kernels and stacks float32 weight gradients.
+      Cast before the loop, the weights are cast once and their gradients
+      are stacked in the compute dtype. The low-precision weight copy is then
+      a residual (as in hand-written bfloat16 code), and the float32 gradient
+      stack it replaces held as many bytes at the backward pass's peak.
+
+    Other xs (a scan without checkpoint) keep the per-matmul casts that the
+    backward pass recomputes from the float32 input, so that no weight copy is
+    among the residuals. Carries are the ``"scan"`` rule's.
+    """
+    narrowed = narrowed_inputs(body)
+    if all(d is None for d in narrowed):
+        return narrowed
+    recomputed = recomputed_inputs(eqn.params["jaxpr"])
+    return tuple(
+        d if i < n_consts or (i >= n_consts + n_carry and recomputed[i]) else None
+        for i, d in enumerate(narrowed)
+    )
+
+
+def without_casts(jaxpr: Any, dtypes: tuple) -> Any:
+    """``jaxpr`` taking each input whose ``dtypes`` entry is not None in that
+    dtype, with the ``convert_element_type`` equations of those inputs to it
+    removed, in call-like bodies too (:func:`narrowed_inputs`
+    found that they are their only uses). Every other equation is replayed as
+    it is, so the body computes exactly what it computed with the casts
+    inside. Returns a jaxpr of the same kind, or None where an open jaxpr
+    would need constants."""
+    core, consts = _compat.jaxpr_parts(jaxpr)
+    in_avals = with_dtypes([v.aval for v in core.invars], dtypes)
+    narrowed = {v for v, d in zip(core.invars, dtypes) if d is not None}
+    try:
+        new = _compat.trace_to_closed_jaxpr(
+            lambda *args: _replay(core, consts, args, narrowed), in_avals
+        )
+    except _NeedsConsts:
+        return None
+    return _compat.like(jaxpr, new)
+
+
+def _replay(core: Any, consts: list, args: Any, narrowed: set) -> list:
+    """Bind ``core``'s equations on ``args``, skipping the casts of the
+    ``narrowed`` inputs (see :func:`_without_casts`) and, for float16, the NaN
+    factor of their overflow checks (the cast before the loop checks the
+    whole stack once; the finite tests left in the body read the narrowed
+    value and find nothing fresh). A checkpoint amp added to re-cast held
+    inputs (``_residuals.is_recast``) whose casts all moved is inlined: it has
+    nothing left to re-cast."""
+    removed: set = set()  # outputs of the removed casts
+
+    def replay_eqn(eqn: Any, invals: list) -> list:
+        hit = [is_var(v) and v in narrowed for v in eqn.invars]
+        if eqn.primitive.name == "convert_element_type" and hit[0]:
+            removed.add(eqn.outvars[0])
+            return invals  # already in the dtype it converted to
+        if _is_check_factor(eqn, removed):
+            return invals[:1]  # the cast before the loop carries the check
+        subs = [k for k, v in eqn.params.items() if _compat.is_jaxpr(v)]
+        if not (any(hit) and subs):
+            return bind_eqn(eqn, invals)
+        (name,) = subs  # a call-like body: the casts are inside it
+        sub_core, sub_consts = _compat.jaxpr_parts(eqn.params[name])
+        sub = {v for v, h in zip(sub_core.invars, hit) if h}
+        if _only_recasts(eqn, sub_core, sub):
+            return _replay(sub_core, sub_consts, invals, sub)
+        dtypes = tuple(x.dtype if h else None for x, h in zip(invals, hit))
+        params = {**eqn.params, name: without_casts(eqn.params[name], dtypes)}
+        if params[name] is None:
+            raise _NeedsConsts
+        return bind_eqn(eqn, invals, params)
+
+    return evaluate(core, consts, args, replay_eqn)
+
+
+def _is_check_factor(eqn: Any, removed: set) -> bool:
+    """``eqn`` multiplies the result of a removed cast by its overflow check's
+    NaN-or-1 factor (:func:`jaxamp._overflow.poison`)."""
+    return (
+        _overflow.is_factor(eqn) and is_var(eqn.invars[0]) and eqn.invars[0] in removed
+    )
+
+
+def _only_recasts(eqn: Any, sub_core: Any, moved: set) -> bool:
+    """``eqn`` is a re-casting checkpoint of amp's (not a user's) and every
+    input it re-casts is among the ``moved`` ones."""
+    if not is_recast(eqn):
+        return False
+    recast = narrowed_inputs(sub_core)
+    return all(v in moved for v, d in zip(sub_core.invars, recast) if d is not None)
+
+
+class _NeedsConsts(Exception):
+    """An open sub-jaxpr would need constants after removing its casts."""
