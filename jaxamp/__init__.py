@@ -7,8 +7,12 @@ numerically fragile operations stay in float32. Loss scaling and optax
 integration complete the training story.
 """
 
+from . import compat as compat
 from ._amp import amp as amp
 from ._amp import amp_stop as amp_stop
+
+# The migration names (jmp, mpx, Haliax) stay importable from ``jaxamp`` for
+# code written against it; their home is ``jaxamp.compat.{jmp,mpx,haliax}``.
 from ._base._ambient_policy import current_policy as current_policy
 from ._base._ambient_policy import policy_compute_dtype as policy_compute_dtype
 from ._policy._rules import default_amp_policy as default_amp_policy
@@ -91,49 +95,28 @@ __version__ = "0.1.0"
 
 __all__ = (
     "AttentionRule",
-    "DTypeish",
-    "DynamicLossScaling",
     "DynamicScalerState",
     "MatmulRecord",
     "Overflow",
-    "Policy",
-    "SemanticDType",
     "SkipNonFiniteState",
     "StaticScalerState",
     "all_finite",
     "amp",
     "amp_stop",
     "attention_rule",
-    "cast_floating",
-    "cast_function",
-    "cast_to_bfloat16",
-    "cast_to_float16",
-    "cast_to_float32",
-    "cast_to_full",
-    "cast_to_full_precision",
-    "cast_to_half",
-    "cast_to_half_precision",
-    "cast_tree",
+    "compat",
     "count_primitive",
-    "current_policy",
     "default_amp_policy",
     "dynamic_scale_grad",
     "dynamic_scale_tx",
     "dynamic_scale_value_and_grad",
     "eight_bit_flop_share",
-    "filter_grad",
-    "filter_value_and_grad",
     "find_overflows",
     "follow_compute_precision",
-    "force_full_precision",
     "fp8_amp_policy",
     "fp8_dot_general",
     "fp8_policy",
     "fp8_rule",
-    "get_policy",
-    "half_dtype",
-    "half_precision_datatype",
-    "half_precision_dtype",
     "int8_amp_policy",
     "int8_dot_general",
     "int8_policy",
@@ -144,19 +127,13 @@ __all__ = (
     "low_precision_flop_share",
     "matmul_flops_by_dtype",
     "min_matmul_size",
-    "mixed_precision",
     "optimizer_update",
-    "policy_compute_dtype",
     "primitive_dtypes",
     "quantization_report",
     "quantize",
     "register_higher_order",
-    "resolve_dtype",
     "saved_residual_bytes",
-    "scaled",
     "select_tree",
-    "set_half_precision_datatype",
-    "set_half_precision_dtype",
     "skip_nonfinite_updates",
     "torchao_rowwise_size_rule",
     "torchao_tensorwise_size_rule",

@@ -7,6 +7,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 PKG = Path(__file__).resolve().parents[1] / "jaxamp"
 MAX_FUNCTION_LINES = 80
 MAX_MODULE_LINES = 600
@@ -75,10 +77,52 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+# The packages, lowest first (docs/design.md, "Packages"): a module imports only
+# from its own package and from packages on a lower layer. Packages on one
+# layer do not import each other.
+LAYERS = (
+    ("jaxamp._compat",),
+    ("jaxamp._base", "jaxamp._nnx"),
+    ("jaxamp._values",),
+    ("jaxamp._policy",),
+    ("jaxamp._walk", "jaxamp._quant"),
+    ("jaxamp._rewrites",),
+    ("jaxamp._amp",),
+    ("jaxamp._tools", "jaxamp._training"),
+    ("jaxamp.compat",),
+    ("jaxamp",),
+)
+MAX_TOP_LEVEL_MODULES = 6
+
+
+def package_of(module: str) -> str:
+    """``jaxamp._walk._loop`` -> ``jaxamp._walk``; top-level modules are their
+    own package; ``jaxamp`` (the ``__init__``) is the root."""
+    return ".".join(module.split(".")[:2])
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for module, deps in graph.items():
+        out.setdefault(package_of(module), set()).update(
+            package_of(d) for d in deps if package_of(d) != package_of(module)
+        )
+    return out
+
+
+def _layer(package: str) -> int:
+    for i, names in enumerate(LAYERS):
+        if package in names:
+            return i
+    raise AssertionError(f"{package} is on no layer: add it to LAYERS")
+
+
 def test_no_import_cycles():
     graph = import_graph()
     assert len(graph) > 20 and "jaxamp._walk._loop" in graph
     assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+    packages = package_graph(graph)
+    assert _cycle(packages) is None, " -> ".join(_cycle(packages))
 
 
 def test_cycle_finder_finds_a_cycle():
@@ -87,23 +131,65 @@ def test_cycle_finder_finds_a_cycle():
     assert _cycle(graph) == ["a", "b", "c", "a"]
 
 
+def test_imports_flow_one_way_between_packages():
+    upward = [
+        (p, d)
+        for p, deps in package_graph(import_graph()).items()
+        for d in deps
+        if _layer(d) >= _layer(p)
+    ]
+    assert not upward, f"imports that do not go down a layer: {upward}"
+
+
+def test_layer_check_can_fail():
+    graph = {"jaxamp._base._x": {"jaxamp._walk._loop"}, "jaxamp._walk._loop": set()}
+    packages = package_graph(graph)
+    assert packages["jaxamp._base"] == {"jaxamp._walk"}
+    assert _layer("jaxamp._walk") > _layer("jaxamp._base")
+
+
+def test_few_modules_at_the_top_level():
+    top = sorted(p.name for p in PKG.glob("*.py"))
+    assert len(top) <= MAX_TOP_LEVEL_MODULES, top
+
+
 def test_equation_loop_names_no_feature():
-    """The interpreter imports neither the higher-order rules nor any pattern
-    rewrite, and its code names no feature: it is handed them as tables."""
+    """The loop imports neither the higher-order rules nor any pattern
+    rewrite, 8-bit format or tool, and its code names no feature: it is handed
+    them as tables."""
     graph = import_graph()
-    features = {
-        "jaxamp._walk._higher_order",
-        "jaxamp._rewrites._rmsnorm",
-        "jaxamp._walk._scan_hoist",
+    features = {"jaxamp._walk._higher_order", "jaxamp._walk._scan_hoist"}
+    features |= {
+        m
+        for m in graph
+        if package_of(m) in ("jaxamp._rewrites", "jaxamp._quant", "jaxamp._tools")
     }
-    features |= {m for m in graph if m.startswith("jaxamp._rewrites._attention")}
     assert not graph["jaxamp._walk._loop"] & features
-    code = (PKG / "_interpreter.py").read_text()
+    code = (PKG / "_walk" / "_loop.py").read_text()
     tree = ast.parse(code)
     names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
     names |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
     words = {"attention", "rms", "rmsnorm", "rms_norm", "scan", "fp8", "int8"}
     assert not {n for n in names if n.lower() in words or "rms_" in n.lower()}
+
+
+def _modules_naming(word: str) -> list[str]:
+    """Modules of jaxamp/ whose text holds the string literal ``word`` (in
+    code or in prose, either quote)."""
+    return sorted(
+        str(p.relative_to(PKG))
+        for p in PKG.rglob("*.py")
+        if f'"{word}"' in p.read_text() or f"'{word}'" in p.read_text()
+    )
+
+
+@pytest.mark.parametrize("word", ["scan", "while", "cond"])
+def test_a_higher_order_primitive_is_named_in_at_most_two_modules(word):
+    """One registration per higher-order primitive (docs/design.md, "Adding a
+    higher-order primitive"): its rewrite rule and description sit together,
+    and only the JAX-version shims besides name it."""
+    modules = _modules_naming(word)
+    assert len(modules) <= 2, modules
 
 
 def test_functions_and_modules_are_short():

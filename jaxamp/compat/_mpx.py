@@ -167,6 +167,30 @@ def force_full_precision(fn: Callable, return_dtype: Any = None) -> Callable:
     return full
 
 
+def mpx_force_full_precision(
+    func: Callable, return_dtype: Any = jnp.float16
+) -> Callable:
+    """mpx's ``force_full_precision`` (``mpx/_cast.py``): ``func`` runs in
+    float32 and its float outputs are cast to ``return_dtype``, float16 by
+    default as in mpx (``jaxamp.compat.mpx.force_full_precision``).
+
+    :func:`jaxamp.force_full_precision` is the same with outputs left in
+    float32 unless ``return_dtype`` is given.
+
+    Args:
+        func: any function of pytrees.
+        return_dtype: float dtype or name for the outputs (default float16).
+
+    Returns:
+        The wrapped function.
+
+    Raises:
+        TypeError: if ``func`` is not callable.
+        ValueError: if ``return_dtype`` is not a float dtype.
+    """
+    return force_full_precision(func, return_dtype)
+
+
 @_register
 class DynamicLossScaling(DynamicScalerState):
     """mpx's ``DynamicLossScaling`` (``mpx/_loss_scaling.py``) as a
