@@ -1,5 +1,6 @@
 """Runs the benchmarks on tiny sizes so that they cannot rot."""
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import run as bench  # noqa: E402
 
 VARIANTS = ["fp32", "jaxamp bf16", "jaxamp fp16", "mpx bf16", "jmp bf16", "hand bf16"]
+PEERS = {"mpx bf16": "mpx", "jmp bf16": "jmp"}  # variant -> the module it needs
 
 
 @pytest.fixture(autouse=True)
@@ -21,6 +23,9 @@ def standard_promotion():
     # inside jax.nn; the benchmark measures them as users run them.
     with jax.numpy_dtype_promotion("standard"):
         yield
+
+
+_RUNS: dict[str, dict] = {}  # the tiny run's rows, for the peer checks below
 
 
 @pytest.mark.slow
@@ -50,7 +55,10 @@ def test_benchmark_tables_and_json(tmp_path, capsys):
     assert fp32["residual_ratio"] == 1.0 and fp32["grad_rel_l2"] == 0.0
     for name in VARIANTS[1:]:
         if "missing" in rows[name]:
+            # Only a peer that is not installed may be missing (its own test
+            # below then skips, naming it).
             assert rows[name]["missing"].startswith("missing")
+            assert importlib.util.find_spec(PEERS[name]) is None, rows[name]
             continue
         assert 0 < rows[name]["residual_ratio"] < 1
         assert rows[name]["grad_rel_l2"] < 0.1
@@ -59,11 +67,30 @@ def test_benchmark_tables_and_json(tmp_path, capsys):
     # bfloat16 (at size S, unscaled, its gradients underflowed: 1.7e-2).
     fp16, bf16 = rows["jaxamp fp16"], rows["jaxamp bf16"]
     assert fp16["grad_rel_l2"] < bf16["grad_rel_l2"] / 2, (fp16, bf16)
+    _RUNS["tiny"] = rows
     assert [s["layers"] for s in data["scaling"]] == [2, 4]
     assert (
         data["scaling"][1]["forward_equations"]
         > data["scaling"][0]["forward_equations"]
     )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", sorted(PEERS))
+def test_peer_variant_ran(variant, tmp_path):
+    """A peer (mpx, jmp) that is installed is measured, never reported missing;
+    one that is not installed skips here, visibly, with its name."""
+    if importlib.util.find_spec(PEERS[variant]) is None:
+        pytest.skip(f"{PEERS[variant]} is not installed: pip install -e '.[bench]'")
+    if "tiny" not in _RUNS:
+        out = tmp_path / "r.md"
+        args = ["--size", "tiny", "--steps", "1", "--trace-repeats", "1"]
+        assert bench.main([*args, "--scaling-layers", "2", "--out", str(out)]) == 0
+        data = json.loads(out.with_suffix(".json").read_text())
+        _RUNS["tiny"] = {r["variant"]: r for r in data["rows"]}
+    row = _RUNS["tiny"][variant]
+    assert "missing" not in row, row
+    assert 0 < row["residual_ratio"] < 1 and row["grad_rel_l2"] < 0.1
 
 
 @pytest.mark.slow

@@ -1,7 +1,6 @@
 """Tests of the documentation: the API reference lists every public name, every
 public name has a docstring, and the user guide's code runs."""
 
-import os
 import re
 from pathlib import Path
 
@@ -40,10 +39,7 @@ def _python_blocks(text: str) -> list[str]:
     return re.findall(r"^```python\n(.*?)^```", text, re.M | re.S)
 
 
-@pytest.mark.skipif(
-    not os.environ.get("JAXAMP_DOCS_RUN"),
-    reason="a minute on a 2-core CPU; run: JAXAMP_DOCS_RUN=1 pytest tests/test_docs.py",
-)
+@pytest.mark.slow
 def test_user_guide_code_runs():
     """The guide's ```python blocks run in order in one namespace, as a reader
     would paste them into one session (needs flax for the NNX section)."""

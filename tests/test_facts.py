@@ -1,4 +1,5 @@
-"""The value-facts analysis (jaxamp/_values/_facts.py) and the default rules that read it:
+"""The value-facts analysis (jaxamp/_values/_facts.py) and the default rules that
+read it:
 range safety for float16, the float32 loss chain, float32 logits of a softmax,
 mixed-dtype primitives, linear algebra and per-carry scan decisions.
 

@@ -1,4 +1,5 @@
-"""Tests of the jmp-style Policy and the cast_* pytree helpers (jaxamp/compat/_jmp.py)."""
+"""Tests of the jmp-style Policy and the cast_* pytree helpers
+(jaxamp/compat/_jmp.py)."""
 
 import equinox as eqx
 import jax

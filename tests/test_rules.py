@@ -1,4 +1,5 @@
-"""Tests of the rule functions and the default policy table (jaxamp/_policy/_rules.py)."""
+"""Tests of the rule functions and the default policy table
+(jaxamp/_policy/_rules.py)."""
 
 import jax
 import jax.numpy as jnp

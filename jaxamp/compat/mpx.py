@@ -29,8 +29,8 @@ from ._mpx import mpx_force_full_precision as force_full_precision
 from ._mpx import scaled as scaled
 
 __all__ = (
-    "FLOAT16_MAX",
     "DynamicLossScaling",
+    "FLOAT16_MAX",
     "all_finite",
     "cast_function",
     "cast_to_bfloat16",
