@@ -18,6 +18,13 @@ layer called N times is rewritten once.
 
 A primitive with sub-jaxprs that is not registered here (e.g. ``pallas_call``)
 runs unchanged, with its inputs restored to their traced dtypes.
+
+Each registration also gives the primitive's description
+(``_base/_structure.py``: which operands feed which sub-jaxpr inputs, carries,
+trip count, how to evaluate it), which the value facts, the scan-input hoist,
+``find_overflows``, the FLOP counter and the quantization report read, and,
+for ``scan``, its carries' entry in the default policy. Adding a higher-order
+primitive is one ``register_higher_order`` call here.
 """
 
 from __future__ import annotations
