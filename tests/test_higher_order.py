@@ -2,6 +2,7 @@
 is rewritten, signatures stay identical, and custom derivative rules still run."""
 
 import functools
+from pathlib import Path
 
 import equinox as eqx
 import jax
@@ -11,11 +12,14 @@ import pytest
 from helpers import rel_l2, round_bf16, tree_dtypes
 from jax import lax
 from jax.extend.core import Primitive, jaxpr_as_fun
+from jax.interpreters import mlir
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import jaxamp
 from jaxamp import _amp, _compat
+from jaxamp._base import _structure
+from jaxamp._policy import _rules
 from jaxamp._walk import _higher_order
 
 BF16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
@@ -840,3 +844,149 @@ def test_casting_before_the_loop_in_other_scan_forms(form, dtype_name):
     assert tree_dtypes(grads) == [F32] * 3
     assert rel_l2(grads, grads_in_loop) < 5e-3
     assert rel_l2(grads, ref) < tol
+
+
+# --------------------------------------------------------------------------------
+# One registration per higher-order primitive: a toy primitive of the test's own,
+# registered once, gets the value facts, find_overflows and FLOP counts.
+
+
+def _toy_call():
+    """A call-like higher-order primitive: its ``jaxpr`` param is a closed
+    sub-jaxpr that takes the operands and gives the outputs."""
+    prim = Primitive("jaxamp_test_toy_call")
+    prim.multiple_results = True
+
+    def impl(*xs, jaxpr):
+        return jaxpr_as_fun(jaxpr)(*xs)
+
+    prim.def_impl(impl)
+    prim.def_abstract_eval(lambda *avals, jaxpr: [v.aval for v in jaxpr.jaxpr.outvars])
+    mlir.register_lowering(prim, mlir.lower_fun(impl, multiple_results=True))
+    return prim
+
+
+TOY = _toy_call()
+
+
+@pytest.fixture
+def toy_registered():
+    """The toy's one registration: its rewrite rule and its description."""
+    jaxamp.register_higher_order(TOY.name, describe=_higher_order.describe_call)(
+        _higher_order.rewrite_subjaxprs
+    )
+    yield TOY
+    del _higher_order.higher_order_rules[TOY.name]
+    del _structure.DESCRIPTIONS[TOY.name]
+
+
+@pytest.fixture
+def toy_rule_only():
+    """The toy with a rewrite rule but no description (opaque to the passes)."""
+    jaxamp.register_higher_order(TOY.name)(_higher_order.rewrite_subjaxprs)
+    yield TOY
+    del _higher_order.higher_order_rules[TOY.name]
+
+
+# Activations in the hundreds, pre-rounded to bfloat16.
+W1 = round_bf16(jnp.asarray(np.linspace(-3, 3, 32).reshape(4, 8), jnp.float32))
+W2 = round_bf16(jnp.asarray(np.linspace(2, -2, 32).reshape(8, 4), jnp.float32))
+XA = round_bf16(jnp.asarray(np.linspace(-200, 300, 8).reshape(2, 4), jnp.float32))
+
+
+def _mlp(x, w1, w2):
+    return jnp.tanh(x @ w1 / 100.0) @ w2
+
+
+def _toy_loss(w1, w2, x):
+    body = jax.make_jaxpr(_mlp)(x, w1, w2)
+    (y,) = TOY.bind(x, w1, w2, jaxpr=body)
+    return jnp.mean(jnp.square(y))
+
+
+def _jit_loss(w1, w2, x):
+    return jnp.mean(jnp.square(jax.jit(_mlp)(x, w1, w2)))
+
+
+def _dot_out_dtypes(fn):
+    closed = jax.make_jaxpr(jaxamp.amp(fn, compute_dtype=BF16))(W1, W2, XA)
+    return [
+        (*(v.aval.dtype for v in e.invars), e.outvars[0].aval.dtype)
+        for e in eqns(closed)
+        if e.primitive.name == "dot_general"
+    ]
+
+
+def test_toy_primitive_gets_value_facts(toy_registered):
+    # The last matmul feeds the loss (the tail): its float32 result is kept,
+    # exactly as through jax.jit; the first one reaches a matmul: bfloat16.
+    dots = _dot_out_dtypes(_toy_loss)
+    assert dots == [(BF16, BF16, BF16), (BF16, BF16, F32)]
+    assert dots == _dot_out_dtypes(_jit_loss)
+    amp_loss = jaxamp.amp(_toy_loss, compute_dtype=BF16)
+    np.testing.assert_allclose(amp_loss(W1, W2, XA), _toy_loss(W1, W2, XA), rtol=2e-2)
+    np.testing.assert_allclose(
+        jax.jit(amp_loss)(W1, W2, XA), _toy_loss(W1, W2, XA), rtol=2e-2
+    )
+
+
+def test_toy_primitive_without_description_is_opaque(toy_rule_only):
+    # No description: the facts of the loss do not reach into the body, whose
+    # outputs are taken to reach a matmul (the last product gives bfloat16).
+    assert _dot_out_dtypes(_toy_loss) == [(BF16, BF16, BF16), (BF16, BF16, BF16)]
+
+
+def _square_in_toy(w, x):
+    body = jax.make_jaxpr(lambda a, b: jnp.square(a @ b))(x, w)
+    (y,) = TOY.bind(x, w, jaxpr=body)
+    return y.sum()
+
+
+SQUARE_IN_F16 = {**jaxamp.default_amp_policy, "square": jaxamp.use_compute_precision}
+
+
+def test_find_overflows_sees_inside_the_toy_primitive(toy_registered):
+    w, x = jnp.full((2, 2), 300.0), jnp.ones((1, 2))  # (x @ w)^2 = 360000
+    (found,) = jaxamp.find_overflows(_square_in_toy, w, x, amp_policy=SQUARE_IN_F16)
+    assert found.primitive == "square" and found.dtype == F16
+    assert "test_higher_order.py" in found.source and "<lambda>" in found.source
+    assert found.max_input == 600.0 and found.count == 1
+
+
+def test_find_overflows_binds_an_undescribed_primitive(toy_rule_only):
+    # Bound as a whole: its float32 outputs are not low precision, nothing named.
+    w, x = jnp.full((2, 2), 300.0), jnp.ones((1, 2))
+    assert jaxamp.find_overflows(_square_in_toy, w, x, amp_policy=SQUARE_IN_F16) == []
+
+
+def test_flops_are_counted_inside_the_toy_primitive(toy_registered):
+    closed = jax.make_jaxpr(jaxamp.amp(_toy_loss, compute_dtype=BF16))(W1, W2, XA)
+    # Two products of 2 * (2 x 4 x 8) FLOPs, both with bfloat16 operands.
+    assert jaxamp.matmul_flops_by_dtype(closed) == {"bfloat16": 2 * 2 * 2 * 4 * 8.0}
+    assert jaxamp.low_precision_flop_share(closed) == 1.0
+    ref = jax.make_jaxpr(jaxamp.amp(_jit_loss, compute_dtype=BF16))(W1, W2, XA)
+    assert jaxamp.matmul_flops_by_dtype(ref) == jaxamp.matmul_flops_by_dtype(closed)
+
+
+def test_register_higher_order_checks_its_description():
+    with pytest.raises(TypeError, match=r"register_higher_order\(describe=...\)"):
+        jaxamp.register_higher_order("my_call", describe="call")
+    with pytest.raises(TypeError, match=r"register_higher_order\(run=...\)"):
+        jaxamp.register_higher_order("my_call", run=1)
+
+
+def test_the_loop_carry_rule_is_registered_with_the_loop():
+    assert jaxamp.default_amp_policy["scan"] is _rules.narrow_bfloat16_carries
+
+
+def test_control_flow_names_live_in_two_modules_at_most():
+    # Every other pass reads the descriptions (jaxamp/_base/_structure.py).
+    root = Path(jaxamp.__file__).parent
+    for name in ("scan", "while", "cond"):
+        holders = [
+            p.relative_to(root).as_posix()
+            for p in sorted(root.rglob("*.py"))
+            if f'"{name}"' in p.read_text()
+        ]
+        assert len(holders) <= 2, (name, holders)
+        assert set(holders) <= {"_compat.py", "_walk/_higher_order.py"}, holders

@@ -30,7 +30,8 @@ from .. import _compat
 from .._base import _state
 from .._base._cast import cast, cast_cache
 from .._base._dtypes import dtype_of, is_float, is_low
-from .._base._prims import MATMULS, REMATS
+from .._base._prims import MATMULS
+from .._base._structure import describe
 from .._values._facts import current_facts
 from ._rules import use_lower_precision
 
@@ -48,7 +49,9 @@ def is_held(x: Any) -> bool:
 
 def is_recast(eqn: Any) -> bool:
     """``eqn`` is a re-casting checkpoint added here (not a user's)."""
-    return eqn.primitive.name in REMATS and RECAST_SCOPE in _compat.scope_names(eqn)
+    structure = describe(eqn)
+    recomputed = structure is not None and structure.recomputed
+    return recomputed and RECAST_SCOPE in _compat.scope_names(eqn)
 
 
 def bind_saving_less(call: Any, invals: Sequence[Any], narrow: bool = True) -> Any:

@@ -295,7 +295,8 @@ def narrow_bfloat16_carries(compute_dtype, original_dtypes, *carries, **params):
 
 default_amp_policy: dict[Any, Rule] = {}
 """The default policy: primitive name (plus ``"amp_stop"``, ``"amp_default"``
-and ``"scan"``) -> rule. Copy and override entries to change it:
+and a loop primitive's name for its carries' rule) -> rule. Copy and override
+entries to change it:
 ``{**jaxamp.default_amp_policy, "square": jaxamp.use_full_precision}``."""
 
 
@@ -387,6 +388,6 @@ _family(
     "debug_callback",
     "debug_print",
 )
-# A loop primitive's rule decides the dtype of its carries (see _higher_order).
-_family(narrow_bfloat16_carries, "scan")
+# A loop primitive's entry (its carries' rule, narrow_bfloat16_carries for
+# lax.scan) is added where the primitive is registered (_walk/_higher_order.py).
 default_amp_policy["amp_default"] = follow_compute_precision

@@ -20,9 +20,8 @@ import numpy as np
 
 from .. import _compat
 from .._amp import amp
-from .._base import _jaxpr
+from .._base import _jaxpr, _structure
 from .._base._dtypes import dtype_of, is_float, is_low_dtype
-from .._base._prims import CUSTOM_CALLS, PLAIN_CALLS
 from .._policy._rules import default_amp_policy
 
 
@@ -58,8 +57,10 @@ def find_overflows(
 
     Every equation of ``jax.make_jaxpr(amp(fn))`` is evaluated one at a time,
     ``jit``/``remat``/``custom_jvp``/``custom_vjp`` bodies inline, ``scan``,
-    ``while`` and ``cond`` by Python control flow, so an overflow inside a
-    scanned, checkpointed layer is found at the line that wrote it. Only the
+    ``while`` and ``cond`` by Python control flow (as the description
+    registered with :func:`jaxamp.register_higher_order` runs each), so an
+    overflow inside a scanned, checkpointed layer is found at the line that
+    wrote it. Only the
     first overflow of a chain is reported (its consumers see non-finite inputs).
 
     Args:
@@ -115,55 +116,18 @@ def _eval(core: Any, consts: list, args: list, found: dict) -> list:
     )
 
 
-def _sub(params: dict, name: str) -> tuple[Any, list]:
-    return _compat.jaxpr_parts(params[name])
-
-
 def _eval_eqn(eqn: Any, invals: list, found: dict) -> list:
-    name = eqn.primitive.name
-    params = eqn.params
-    if name in PLAIN_CALLS or name in CUSTOM_CALLS:
-        key = "call_jaxpr" if "call_jaxpr" in params else "jaxpr"
-        core, consts = _sub(params, key)
-        return _eval(core, consts, invals, found)
-    if name == "scan":
-        return _scan(eqn, invals, found)
-    if name == "while":
-        cn, bn = params["cond_nconsts"], params["body_nconsts"]
-        cc, ccon = _sub(params, "cond_jaxpr")
-        bc, bcon = _sub(params, "body_jaxpr")
-        carry = invals[cn + bn :]
-        while bool(_eval(cc, ccon, invals[:cn] + carry, found)[0]):
-            carry = _eval(bc, bcon, invals[cn : cn + bn] + carry, found)
-        return carry
-    if name == "cond":
-        branches = params["branches"]
-        i = int(np.clip(int(invals[0]), 0, len(branches) - 1))
-        core, consts = _compat.jaxpr_parts(branches[i])
-        return _eval(core, consts, invals[1:], found)
+    def eval_sub(jaxpr: Any, args: list) -> list:
+        return _eval(*_compat.jaxpr_parts(jaxpr), args, found)
+
+    # A higher-order primitive runs through its registered description
+    # (_base/_structure.py): loops by Python control flow, calls inline.
+    outs = _structure.run_concretely(eqn, invals, eval_sub)
+    if outs is not None:
+        return outs
     outs = _jaxpr.bind_eqn(eqn, invals)
     _record(eqn, invals, outs, found)
     return outs
-
-
-def _scan(eqn: Any, invals: list, found: dict) -> list:
-    n_consts, n_carry = _compat.scan_carry_range(eqn.params)
-    core, consts = _sub(eqn.params, "jaxpr")
-    length, reverse = eqn.params["length"], eqn.params["reverse"]
-    c, carry = invals[:n_consts], invals[n_consts : n_consts + n_carry]
-    xs = invals[n_consts + n_carry :]
-    ys = []
-    for t in range(length - 1, -1, -1) if reverse else range(length):
-        outs = _eval(core, consts, c + carry + [x[t] for x in xs], found)
-        carry, y = outs[:n_carry], outs[n_carry:]
-        ys.append(y)
-    if reverse:
-        ys.reverse()
-    n_ys = len(eqn.outvars) - n_carry
-    stacked = [jnp.stack([y[k] for y in ys]) for k in range(n_ys)] if ys else []
-    if not ys:  # zero-length scan: empty stacks of the declared avals
-        stacked = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in eqn.outvars[n_carry:]]
-    return carry + stacked
 
 
 def _finite(x: Any) -> bool:

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _compat
+from .._base._structure import describe, trips
 
 LOW_PRECISION = frozenset(
     np.dtype(d).name
@@ -41,9 +42,8 @@ def _check(closed: Any) -> Any:
 
 
 def _inner_weight(eqn: Any, weight: float) -> float:
-    if eqn.primitive.name == "scan":
-        return weight * eqn.params.get("length", 1)
-    return weight
+    # The static trip count of a loop's body (_base/_structure.py).
+    return weight * trips(eqn)
 
 
 def iter_equations(closed: Any, weight: float = 1.0) -> Iterator[tuple[Any, float]]:
@@ -130,13 +130,9 @@ def _add(out: dict[str, float], more: dict[str, float], weight: float) -> None:
 
 
 def _shards(eqn: Any) -> float:
-    # A shard_map body sees per-shard shapes and runs once per shard of the
-    # axes it makes manual (as _compat.shard_map_context reads them).
-    if eqn.primitive.name != "shard_map":
-        return 1.0
-    mesh = eqn.params["mesh"]
-    axes = eqn.params.get("newly_manual_axes", mesh.axis_names)
-    return _prod(mesh.shape[a] for a in axes)
+    # A shard_map body sees per-shard shapes and runs once per shard.
+    structure = describe(eqn)
+    return 1.0 if structure is None else structure.copies
 
 
 def _flops(closed: Any) -> dict[str, float]:
@@ -146,9 +142,9 @@ def _flops(closed: Any) -> dict[str, float]:
         count = _FLOPS.get(eqn.primitive.name)
         if count is not None:
             _add(out, {_operand_key(eqn): count(eqn)}, 1.0)
-        elif eqn.primitive.name == "cond":
+        elif (structure := describe(eqn)) is not None and structure.exclusive:
             # One branch runs: count the costliest (ties: the first).
-            per_branch = [_flops(b) for b in eqn.params["branches"]]
+            per_branch = [_flops(b.jaxpr) for b in structure.subs]
             if per_branch:
                 _add(out, max(per_branch, key=lambda f: sum(f.values())), 1.0)
         else:

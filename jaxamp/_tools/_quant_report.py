@@ -10,6 +10,7 @@ import jax
 import numpy as np
 
 from .. import _compat
+from .._base import _structure
 from .._base._dtypes import is_float
 from .._quant._common import FP8_SCOPE, INT8_SCOPE, KEPT_SCOPE, SMALL_SCOPE, Dims
 from .._rewrites._attention import FUSED_SCOPE
@@ -86,9 +87,7 @@ def _walk(closed: Any, weight: float, outer: tuple):
         scopes = own if own[: len(outer)] == outer and outer else outer + own
         scopes = tuple(s for i, s in enumerate(scopes) if i == 0 or s != scopes[i - 1])
         yield eqn, weight, scopes
-        inner = weight * (
-            eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
-        )
+        inner = weight * _structure.trips(eqn)  # a loop's static trip count
         for sub in _compat.sub_jaxprs(eqn.params):
             yield from _walk(sub, inner, scopes)
 

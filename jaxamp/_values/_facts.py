@@ -57,8 +57,10 @@ equation's values *are*:
   pass keeps its traced dtype).
 
 Sub-jaxprs are analysed with the bits of the values their outputs feed in the
-enclosing jaxpr (a scan's carries to a fixpoint), so facts cross ``jit``,
-``scan``, ``while``, ``cond``, ``remat`` and custom-derivative boundaries. Where
+enclosing jaxpr (a loop's carries to a fixpoint), so facts cross ``jit``,
+``scan``, ``while``, ``cond``, ``remat`` and custom-derivative boundaries: those
+of every higher-order primitive with a registered description
+(``_base/_structure.py``), read from it. Where
 the bits of a sub-jaxpr's outputs are unknown (a user's jvp or bwd rule traced
 lazily by JAX), every output is taken to reach a matmul: the conservative
 choice, which keeps the compute dtype's memory savings.
@@ -71,10 +73,10 @@ import dataclasses
 import weakref
 from typing import Any
 
-from .. import _compat
 from .._base import _state
 from .._base._jaxpr import is_var, named_subs
-from .._base._prims import CALLS, MATMULS
+from .._base._prims import MATMULS
+from .._base._structure import Structure, SubJaxpr, call_body, describe
 from ._patterns import COLLECTIVE_SUMS, centring, quadratic, rms_operands
 
 REACH, WIDE, SUM, TRANSPOSED = 1, 2, 4, 8
@@ -327,24 +329,9 @@ def _eqn_in_bits(eqn: Any, outs: tuple[int, ...]) -> tuple[list[int], dict]:
     reach = REACH if any(b & REACH for b in outs) else 0
     if name in MATMULS:
         return [REACH] * n, {}
-    if name == "scan":
-        return _scan_bits(eqn, outs)
-    if name in CALLS:
-        subs = named_subs(eqn.params)
-        if len(subs) == 1 and len(subs[0][1].invars) == n:
-            sub, core = subs[0]
-            inner = analyse(core, outs)
-            return list(inner.in_bits), {"sub_out_bits": {id(sub): outs}}
-    if name == "cond":
-        branches = eqn.params["branches"]
-        ins = [0] * n
-        for br in branches:
-            inner = analyse(_compat.jaxpr_parts(br)[0], outs)
-            for i, b in enumerate(inner.in_bits):
-                ins[i + 1] |= b
-        return ins, {"sub_out_bits": {id(br): outs for br in branches}}
-    if name == "while":
-        return _while_bits(eqn, outs)
+    structure = describe(eqn)
+    if structure is not None:
+        return _sub_jaxpr_bits(structure, n, outs)
     if named_subs(eqn.params):  # unknown higher-order primitive: conservative
         return [REACH] * n, {}
     passed = 0
@@ -363,41 +350,51 @@ def _eqn_in_bits(eqn: Any, outs: tuple[int, ...]) -> tuple[list[int], dict]:
     return [reach | passed] * n, {}
 
 
-def _scan_bits(eqn: Any, outs: tuple[int, ...]) -> tuple[list[int], dict]:
-    n_consts, n_carry = _compat.scan_carry_range(eqn.params)
-    body = eqn.params["jaxpr"]
-    core = _compat.jaxpr_parts(body)[0]
-    sub_out = list(outs)
-    for _ in range(4):  # carries: a fixpoint over monotone bits
-        inner = analyse(core, tuple(sub_out))
-        carry_in = inner.in_bits[n_consts : n_consts + n_carry]
-        new = [o | c for o, c in zip(outs[:n_carry], carry_in)] + list(outs[n_carry:])
-        if new == sub_out:
-            break
-        sub_out = new
-    logspace = _log_space_carries(core, n_consts, n_carry)
-    narrow = tuple(
-        bool(carry_in[c] & REACH) and c not in logspace for c in range(n_carry)
-    )
-    extra = {"sub_out_bits": {id(body): tuple(sub_out)}, "narrow_carries": narrow}
-    return list(inner.in_bits), extra
+def _sub_jaxpr_bits(
+    structure: Structure, n: int, outs: tuple[int, ...]
+) -> tuple[list[int], dict]:
+    """Bits of a higher-order equation's ``n`` operands from those of its
+    outputs, through its sub-jaxprs (``jaxamp._base._structure``), plus the
+    facts its rewrite reads: the out bits each sub-jaxpr is analysed with
+    and, for a loop, which carries may be narrowed."""
+    ins = [0] * n
+    sub_out_bits = {}
+    extra: dict = {}
+    for sub in structure.subs:
+        start = tuple(0 if k is None else outs[k] for k in sub.outputs)
+        in_bits, sub_out = _carried_bits(sub, start)
+        for j, i in enumerate(sub.inputs):
+            ins[i] |= in_bits[j]
+        sub_out_bits[id(sub.jaxpr)] = sub_out
+        if sub.carries:
+            extra["narrow_carries"] = _narrow_carries(sub, in_bits)
+    return ins, {"sub_out_bits": sub_out_bits, **extra}
 
 
-def _while_bits(eqn: Any, outs: tuple[int, ...]) -> tuple[list[int], dict]:
-    cn, bn = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
-    cond, body = eqn.params["cond_jaxpr"], eqn.params["body_jaxpr"]
-    core = _compat.jaxpr_parts(body)[0]
-    sub_out = list(outs)
+def _carried_bits(sub: SubJaxpr, start: tuple[int, ...]) -> tuple[tuple, tuple]:
+    """``(in bits, out bits)`` of a sub-jaxpr whose outputs' uses outside have
+    bits ``start``; a carried output also has the bits of the input it feeds
+    (a fixpoint over monotone bits)."""
+    core = sub.core
+    sub_out = list(start)
     for _ in range(4):
         inner = analyse(core, tuple(sub_out))
-        new = [o | c for o, c in zip(outs, inner.in_bits[bn:])]
+        new = list(start)
+        for o, i in sub.carries:
+            new[o] |= inner.in_bits[i]
         if new == sub_out:
             break
         sub_out = new
-    cond_in = analyse(_compat.jaxpr_parts(cond)[0], (0,)).in_bits
-    ins = list(cond_in[:cn]) + list(inner.in_bits[:bn])
-    ins += [a | b for a, b in zip(inner.in_bits[bn:], cond_in[cn:])]
-    return ins, {"sub_out_bits": {id(body): tuple(sub_out), id(cond): (0,)}}
+    return inner.in_bits, tuple(sub_out)
+
+
+def _narrow_carries(sub: SubJaxpr, in_bits: tuple[int, ...]) -> tuple[bool, ...]:
+    """Per carry: it reaches a matmul and is no log-space recursion."""
+    logspace = _log_space_carries(sub.core, sub.carries)
+    return tuple(
+        bool(in_bits[i] & REACH) and c not in logspace
+        for c, (_, i) in enumerate(sub.carries)
+    )
 
 
 # Ops whose output keeps the magnitude class of a squared input: sums, means,
@@ -445,13 +442,14 @@ def _squared(jaxpr: Any, in_sq: tuple[bool, ...]) -> tuple:
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
         ins = tuple(bool(is_var(v) and sq.get(v, False)) for v in eqn.invars)
-        subs = named_subs(eqn.params)
+        structure = describe(eqn)
         sub_in: dict = {}
         if quadratic(eqn, producer):
             outs = [True] * len(eqn.outvars)
-        elif name in CALLS and len(subs) == 1 and len(subs[0][1].invars) == len(ins):
-            sub_in = {id(subs[0][0]): ins}
-            outs = list(squared_flags(subs[0][1], ins)[1])
+        elif structure is not None and structure.call:
+            (sub,) = structure.subs
+            sub_in = {id(sub.jaxpr): ins}
+            outs = list(squared_flags(sub.core, ins)[1])
         elif name == "div":
             outs = [ins[0]]
         elif name in _SQUARE_KEEPS:
@@ -488,17 +486,19 @@ def with_boundary(
     )
 
 
-def _log_space_carries(core: Any, n_consts: int, n_carry: int) -> set[int]:
-    """Carry indices of a scan body that a matmul-free path through an exp/log
-    op connects to some carry (a log-space recursion)."""
+def _log_space_carries(core: Any, carries: tuple[tuple[int, int], ...]) -> set[int]:
+    """Carry indices (into ``carries``, ``(output, input)`` pairs of a loop
+    body) that a matmul-free path through an exp/log op connects to some
+    carry (a log-space recursion)."""
     plain: dict[Any, int] = {}
     logged: dict[Any, int] = {}
-    for c in range(n_carry):
-        plain[core.invars[n_consts + c]] = 1 << c
+    n_carry = len(carries)
+    for c, (_, i) in enumerate(carries):
+        plain[core.invars[i]] = 1 << c
     _forward_masks(core, plain, logged)
     out = set()
-    for c in range(n_carry):
-        v = core.outvars[c]
+    for c, (o, _) in enumerate(carries):
+        v = core.outvars[o]
         mask = logged.get(v, 0) if is_var(v) else 0
         if mask:
             out.add(c)
@@ -508,7 +508,7 @@ def _log_space_carries(core: Any, n_consts: int, n_carry: int) -> set[int]:
 
 def _forward_masks(core: Any, plain: dict, logged: dict) -> None:
     """Propagate carry bitmasks forward through matmul-free paths, marking those
-    that pass a log-space op. Sub-jaxprs of call-like equations are entered."""
+    that pass a log-space op. The sub-jaxprs of calls are entered."""
     for eqn in core.eqns:
         name = eqn.primitive.name
         ins = [v for v in eqn.invars if is_var(v)]
@@ -519,22 +519,20 @@ def _forward_masks(core: Any, plain: dict, logged: dict) -> None:
             lg |= logged.get(v, 0)
         if not (p or lg) or name in MATMULS:
             continue
-        subs = named_subs(eqn.params)
-        if name in CALLS and len(subs) == 1:
-            inner = subs[0][1]
-            if len(inner.invars) == len(eqn.invars):
-                ip: dict = {}
-                il: dict = {}
-                for iv, v in zip(inner.invars, eqn.invars):
-                    if is_var(v):
-                        ip[iv] = plain.get(v, 0)
-                        il[iv] = logged.get(v, 0)
-                _forward_masks(inner, ip, il)
-                for ov, v in zip(inner.outvars, eqn.outvars):
-                    if is_var(ov):
-                        plain[v] = ip.get(ov, 0)
-                        logged[v] = il.get(ov, 0)
-                continue
+        inner = call_body(eqn)
+        if inner is not None:
+            ip: dict = {}
+            il: dict = {}
+            for iv, v in zip(inner.invars, eqn.invars):
+                if is_var(v):
+                    ip[iv] = plain.get(v, 0)
+                    il[iv] = logged.get(v, 0)
+            _forward_masks(inner, ip, il)
+            for ov, v in zip(inner.outvars, eqn.outvars):
+                if is_var(ov):
+                    plain[v] = ip.get(ov, 0)
+                    logged[v] = il.get(ov, 0)
+            continue
         if name in _LOG_OPS:
             lg |= p
         for v in eqn.outvars:

@@ -18,21 +18,42 @@ layer called N times is rewritten once.
 
 A primitive with sub-jaxprs that is not registered here (e.g. ``pallas_call``)
 runs unchanged, with its inputs restored to their traced dtypes.
+
+Each registration also gives the primitive's description
+(``_base/_structure.py``: which operands feed which sub-jaxpr inputs, carries,
+trip count, how to evaluate it), which the value facts, the scan-input hoist,
+``find_overflows``, the FLOP counter and the quantization report read, and,
+for ``scan``, its carries' entry in the default policy. Adding a higher-order
+primitive is one ``register_higher_order`` call here.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from .. import _compat
-from .._base import _state
+from .._base import _state, _structure
 from .._base._cast import cast, cast_cache, restore
 from .._base._dtypes import dtype_of
+from .._base._structure import (
+    DESCRIPTIONS,
+    HigherOrder,
+    Run,
+    Structure,
+    SubJaxpr,
+    describe_call,
+    run_once,
+)
 from .._policy._residuals import is_held
+from .._policy._rules import Rule, default_amp_policy, narrow_bfloat16_carries
 from .._values import _facts
 from ._loop import (
     AmpContext,
@@ -53,28 +74,65 @@ higher_order_rules: dict[str, HigherOrderRule] = {}
 _REWRITES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def register_higher_order(*names: str) -> Callable[[HigherOrderRule], HigherOrderRule]:
-    """Register ``rule(eqn, invals, ctx) -> outvals`` for primitive ``names``.
+def register_higher_order(
+    *names: str,
+    describe: Callable[[Any], Structure | None] | None = None,
+    run: Run | None = run_once,
+    default_rule: Rule | None = None,
+) -> Callable[[HigherOrderRule], HigherOrderRule]:
+    """Register ``rule(eqn, invals, ctx) -> outvals`` for primitive ``names``,
+    and the description every other pass reads.
+
+    With ``describe``, the value-facts pass, the scan-input hoist,
+    :func:`jaxamp.find_overflows`, the FLOP counter and the quantization
+    report see through the primitive (``jaxamp._base._structure``); without
+    it they treat it as opaque (operands reach a matmul, it is bound as it
+    is, its sub-jaxprs run once).
 
     Args:
         *names: one or more primitive names (``eqn.primitive.name``, e.g.
             ``"my_call"``).
+        describe: ``describe(eqn) -> Structure | None``: which operands feed
+            which sub-jaxpr inputs, carries, trip count
+            (:class:`jaxamp._base._structure.Structure`);
+            :func:`describe_call` for a primitive whose one sub-jaxpr takes
+            the equation's operands and gives its outputs.
+        run: ``run(eqn, invals, eval_sub) -> outputs``, the equation evaluated
+            concretely with each sub-jaxpr evaluated by ``eval_sub(jaxpr,
+            args)`` (for ``find_overflows``); the default runs each sub-jaxpr
+            once on the operands ``describe`` names; None binds the primitive
+            as it is. Ignored without ``describe``.
+        default_rule: a rule that :data:`jaxamp.default_amp_policy` maps the
+            names to (the rewrite rule looks it up in the policy, e.g. a
+            loop's carry dtypes), or None.
 
     Returns:
         A decorator that registers ``rule`` and returns it unchanged.
 
     Raises:
-        TypeError: if no name is given or a name is not a string.
+        TypeError: if no name is given, a name is not a string, or
+            ``describe``, ``run`` or ``default_rule`` is not callable.
     """
     if not names or not all(isinstance(n, str) for n in names):
         raise TypeError(
             f"register_higher_order(*names): give primitive names as strings, "
             f"e.g. register_higher_order('my_call')(rule); got {names!r}."
         )
+    given = {"describe": describe, "run": run, "default_rule": default_rule}
+    for arg, value in given.items():
+        if value is not None and not callable(value):
+            raise TypeError(
+                f"register_higher_order({arg}=...): give a function or None, got "
+                f"{type(value).__name__}."
+            )
 
     def register(rule: HigherOrderRule) -> HigherOrderRule:
         for name in names:
             higher_order_rules[name] = rule
+            if describe is not None:
+                DESCRIPTIONS[name] = HigherOrder(describe, run)
+            if default_rule is not None:
+                default_amp_policy[name] = default_rule
         return rule
 
     return register
@@ -152,7 +210,16 @@ def _rewrite_params(params: dict, ctx: AmpContext) -> dict | None:
 
 
 @register_higher_order(
-    "jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint"
+    "jit",
+    "pjit",
+    "closed_call",
+    "core_call",
+    describe=functools.partial(describe_call, dtypes_flow=True),
+)
+@register_higher_order(
+    "remat2",
+    "checkpoint",
+    describe=functools.partial(describe_call, dtypes_flow=True, recomputed=True),
 )
 def _call(eqn: Any, invals: list, ctx: AmpContext) -> Any:
     """Call-like primitives: dtypes flow through as if the body were inlined.
@@ -169,7 +236,8 @@ def _call(eqn: Any, invals: list, ctx: AmpContext) -> Any:
     params = dict(eqn.params)
     # Held inputs stay held through a jit; inside a user's checkpoint its own
     # policy decides what is saved (a dots_saveable policy must see the dots).
-    remat = eqn.primitive.name in ("remat2", "checkpoint")
+    structure = _structure.describe(eqn)
+    remat = structure is not None and structure.recomputed
     held = () if remat else tuple(map(is_held, invals))
     with _state.recomputing(remat):
         params[name] = rewrite_jaxpr(params[name], ctx, in_dtypes, FREE, held)
@@ -179,7 +247,45 @@ def _call(eqn: Any, invals: list, ctx: AmpContext) -> Any:
     return _compat.bind(eqn.primitive, invals, bparams)
 
 
-@register_higher_order("while", "cond")
+def _describe_while(eqn: Any) -> Structure:
+    # Operands: (cond consts, body consts, carries); outputs: the carries.
+    cn, bn = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+    n_carry = len(eqn.invars) - cn - bn
+    carry = tuple(range(cn + bn, len(eqn.invars)))
+    cond = SubJaxpr(eqn.params["cond_jaxpr"], tuple(range(cn)) + carry, (None,))
+    body = SubJaxpr(
+        eqn.params["body_jaxpr"],
+        tuple(range(cn, cn + bn)) + carry,
+        tuple(range(n_carry)),
+        tuple((k, bn + k) for k in range(n_carry)),
+    )
+    return Structure((cond, body), trips=None)
+
+
+def _run_while(eqn: Any, invals: list, eval_sub: Callable) -> list:
+    cond, body = _describe_while(eqn).subs
+    cn, bn = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+    carry = invals[cn + bn :]
+    while bool(eval_sub(cond.jaxpr, invals[:cn] + carry)[0]):
+        carry = eval_sub(body.jaxpr, invals[cn : cn + bn] + carry)
+    return carry
+
+
+def _describe_cond(eqn: Any) -> Structure:
+    # Operand 0 is the branch index; the others are every branch's inputs.
+    ins, outs = tuple(range(1, len(eqn.invars))), tuple(range(len(eqn.outvars)))
+    branches = eqn.params["branches"]
+    return Structure(tuple(SubJaxpr(b, ins, outs) for b in branches), exclusive=True)
+
+
+def _run_cond(eqn: Any, invals: list, eval_sub: Callable) -> list:
+    branches = eqn.params["branches"]
+    i = int(np.clip(int(invals[0]), 0, len(branches) - 1))
+    return eval_sub(branches[i], invals[1:])
+
+
+@register_higher_order("cond", describe=_describe_cond, run=_run_cond)
+@register_higher_order("while", describe=_describe_while, run=_run_while)
 def rewrite_subjaxprs(eqn: Any, invals: list, ctx: AmpContext) -> Any:
     """Default rule: rewrite every sub-jaxpr parameter, re-bind the primitive."""
     new_params = _rewrite_params(eqn.params, ctx)
@@ -189,13 +295,53 @@ def rewrite_subjaxprs(eqn: Any, invals: list, ctx: AmpContext) -> Any:
     return _compat.bind(eqn.primitive, restore_inputs(eqn, invals), params)
 
 
-@register_higher_order("scan")
+def _describe_scan(eqn: Any) -> Structure:
+    # The body takes (consts, carries, one slice of each xs) and gives
+    # (carries, one slice of each ys): operands and outputs in order.
+    n_consts, n_carry = _compat.scan_carry_range(eqn.params)
+    body = SubJaxpr(
+        eqn.params["jaxpr"],
+        tuple(range(len(eqn.invars))),
+        tuple(range(len(eqn.outvars))),
+        tuple((c, n_consts + c) for c in range(n_carry)),
+    )
+    return Structure((body,), trips=eqn.params.get("length", 1))
+
+
+def _run_scan(eqn: Any, invals: list, eval_sub: Callable) -> list:
+    n_consts, n_carry = _compat.scan_carry_range(eqn.params)
+    body = eqn.params["jaxpr"]
+    length, reverse = eqn.params["length"], eqn.params["reverse"]
+    c, carry = invals[:n_consts], invals[n_consts : n_consts + n_carry]
+    xs = invals[n_consts + n_carry :]
+    ys = []
+    for t in range(length - 1, -1, -1) if reverse else range(length):
+        outs = eval_sub(body, c + carry + [x[t] for x in xs])
+        carry, y = outs[:n_carry], outs[n_carry:]
+        ys.append(y)
+    if reverse:
+        ys.reverse()
+    n_ys = len(eqn.outvars) - n_carry
+    stacked = [jnp.stack([y[k] for y in ys]) for k in range(n_ys)] if ys else []
+    if not ys:  # zero-length scan: empty stacks of the declared avals
+        stacked = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in eqn.outvars[n_carry:]]
+    return carry + stacked
+
+
+# The policy's entry for the loop chooses the dtype of its carries.
+@register_higher_order(
+    "scan",
+    describe=_describe_scan,
+    run=_run_scan,
+    default_rule=narrow_bfloat16_carries,
+)
 def _scan(eqn: Any, invals: list, ctx: AmpContext) -> Any:
     """Scan: the policy's rule for ``scan`` chooses the dtype of the carries.
 
-    By default (see ``_rules.py``) float carries are narrowed to bfloat16 when
-    that is the compute dtype, which removes the float32 residual stream of a
-    scanned transformer, and keep their traced dtype otherwise. Consts and the
+    By default (``_rules.narrow_bfloat16_carries``) float carries are narrowed
+    to bfloat16 when that is the compute dtype, which removes the float32
+    residual stream of a scanned transformer, and keep their traced dtype
+    otherwise. Consts and the
     stacked weights of checkpointed layers that the body only reads in the
     compute dtype are cast once, before the loop (:func:`jaxamp._hoist.loop_casts`).
     """
@@ -240,7 +386,20 @@ def _scan(eqn: Any, invals: list, ctx: AmpContext) -> Any:
     return _compat.bind(eqn.primitive, invals, bparams)
 
 
-@register_higher_order("shard_map")
+def _describe_shard_map(eqn: Any) -> Structure | None:
+    # A call whose body runs once per shard of the axes it makes manual (as
+    # _compat.shard_map_context reads them), on per-shard shapes.
+    structure = describe_call(eqn)
+    if structure is None:
+        return None
+    mesh = eqn.params["mesh"]
+    axes = eqn.params.get("newly_manual_axes", mesh.axis_names)
+    copies = float(np.prod([mesh.shape[a] for a in axes], dtype=float))
+    return dataclasses.replace(structure, copies=copies)
+
+
+# Evaluated by binding it: the body needs shard_map's mesh and axis names.
+@register_higher_order("shard_map", describe=_describe_shard_map, run=None)
 def _shard_map(eqn: Any, invals: list, ctx: AmpContext) -> Any:
     # The body is traced in shard_map's own context: manual mesh axes bound.
     with _compat.shard_map_context(eqn.params):
@@ -256,7 +415,7 @@ def _amp_closed_jaxpr(jaxpr: Any, consts: list, ctx: AmpContext) -> tuple[Any, l
     return _compat.jaxpr_parts(new)
 
 
-@register_higher_order("custom_jvp_call")
+@register_higher_order("custom_jvp_call", describe=describe_call)
 def _custom_jvp_call(eqn: Any, invals: list, ctx: AmpContext) -> Any:
     """custom_jvp: the primal and the user's jvp rule are both rewritten.
 
@@ -303,7 +462,7 @@ def _value_dtype(x: Any) -> Any:
     return aval.dtype if aval is not None else dtype_of(x)
 
 
-@register_higher_order("custom_vjp_call")
+@register_higher_order("custom_vjp_call", describe=describe_call)
 def _custom_vjp_call(eqn: Any, invals: list, ctx: AmpContext) -> Any:
     params = dict(eqn.params)
     params["call_jaxpr"] = rewrite_jaxpr(params["call_jaxpr"], ctx)

@@ -18,8 +18,8 @@ import numpy as np
 from .. import _compat
 from .._base import _overflow
 from .._base._dtypes import is_float
-from .._base._jaxpr import bind_eqn, evaluate, is_var, named_subs
-from .._base._prims import PLAIN_CALLS, REMATS
+from .._base._jaxpr import bind_eqn, evaluate, is_var
+from .._base._structure import describe
 from .._policy._residuals import is_recast
 
 
@@ -40,19 +40,15 @@ def _leaf_uses(core: Any, var: Any, in_remat: bool = False):
     if any(v is var for v in core.outvars):
         yield None, in_remat
     for eqn in core.eqns:
-        subs = named_subs(eqn.params)
         for pos, v in enumerate(eqn.invars):
             if v is not var:
                 continue
-            name = eqn.primitive.name
-            if (
-                name in PLAIN_CALLS
-                and len(subs) == 1
-                and len(subs[0][1].invars) == len(eqn.invars)
-            ):
-                inner = subs[0][1]
+            # A call whose body can be re-typed (_base/_structure.py) is entered.
+            structure = describe(eqn)
+            if structure is not None and structure.call and structure.dtypes_flow:
+                inner = structure.subs[0].core
                 yield from _leaf_uses(
-                    inner, inner.invars[pos], in_remat or name in REMATS
+                    inner, inner.invars[pos], in_remat or structure.recomputed
                 )
             else:
                 yield eqn, in_remat
@@ -138,7 +134,7 @@ def loop_casts(eqn: Any, body: Any, n_consts: int, n_carry: int) -> tuple:
 
     Other xs (a scan without checkpoint) keep the per-matmul casts that the
     backward pass recomputes from the float32 input, so that no weight copy is
-    among the residuals. Carries are the ``"scan"`` rule's.
+    among the residuals. The carries' dtypes are the policy's loop-carry rule's.
     """
     narrowed = narrowed_inputs(body)
     if all(d is None for d in narrowed):
