@@ -94,6 +94,7 @@ def test_equation_loop_names_no_feature():
     features = {
         "jaxamp._walk._higher_order",
         "jaxamp._rewrites._rmsnorm",
+        "jaxamp._rewrites._layernorm",
         "jaxamp._walk._scan_hoist",
     }
     features |= {m for m in graph if m.startswith("jaxamp._rewrites._attention")}
