@@ -177,7 +177,7 @@ def ablated(
 
     Args:
         rewrites: names of pattern rewrites to leave out (``"attention"``,
-            ``"rms_norm"``).
+            ``"rms_norm"``, ``"layer_norm"``).
         facts: pattern facts the analysis does not derive (``"rms_scaling"``:
             no equation is an RMSNorm scaling).
         choices: residual and loop choices not made

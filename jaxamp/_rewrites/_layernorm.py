@@ -10,8 +10,8 @@ twice it (the square's derivative). When a low-precision ``x`` enters outside
 a user's ``jax.checkpoint``, this rewrite runs the region inside one
 ``jax.checkpoint`` (named scope :data:`LN_SCOPE`): the backward pass saves
 the low-precision ``x`` instead and recomputes the float32 centring and
-normalisation, as PyTorch's fused ``layer_norm`` kernels and Apex's
-``memory_efficient`` LayerNorm save the input (or output) rather than the
+normalisation, as PyTorch's ``native_layer_norm`` keeps its input (with the
+per-row mean and rstd) for ``native_layer_norm_backward`` rather than the
 centred value; within it the cotangents of ``x`` meet in float32 and are
 rounded once. Where the factor does not come from ``x`` (``(x - m) * 0.5``),
 nothing float32 is saved to begin with and no region is made.
