@@ -25,7 +25,7 @@ from ._base._cast import cast_cache, restore
 from ._base._dtypes import canonical_dtype, limited_range
 from ._policy._lookup import AMP_REGION, AmpPolicy
 from ._policy._rules import Rule, default_amp_policy
-from ._rewrites import _attention, _rmsnorm
+from ._rewrites import _attention, _layernorm, _rmsnorm
 from ._walk import _higher_order
 from ._walk._loop import AmpContext, Pipeline, eval_jaxpr
 
@@ -33,7 +33,7 @@ from ._walk._loop import AmpContext, Pipeline, eval_jaxpr
 # rules registered later apply) and the pattern rewrites, attention first.
 DEFAULT_PIPELINE = Pipeline(
     higher_order=_higher_order.higher_order_rules,
-    rewrites=(_attention.REWRITE, _rmsnorm.REWRITE),
+    rewrites=(_attention.REWRITE, _rmsnorm.REWRITE, _layernorm.REWRITE),
 )
 
 
@@ -177,7 +177,7 @@ def ablated(
 
     Args:
         rewrites: names of pattern rewrites to leave out (``"attention"``,
-            ``"rms_norm"``).
+            ``"rms_norm"``, ``"layer_norm"``).
         facts: pattern facts the analysis does not derive (``"rms_scaling"``:
             no equation is an RMSNorm scaling).
         choices: residual and loop choices not made

@@ -50,6 +50,17 @@ def _run(walk: Walk, region: tuple[int, ...]) -> Any:
     """Run the region's equations under their rules and return the scaling's
     output (inside one ``jax.checkpoint`` when a low-precision value enters
     them outside a user's checkpoint)."""
+    return run_region(walk, region, RMS_SCOPE)
+
+
+def run_region(
+    walk: Walk, region: tuple[int, ...], scope: str, input_var: Any = None
+) -> Any:
+    """Run equations ``region`` of ``walk`` under their rules and return the
+    last one's output: inside one ``jax.checkpoint`` (named scope ``scope``)
+    when a low-precision value enters them (``input_var``'s, if given) outside
+    a user's checkpoint, so that the backward pass saves their inputs and
+    recomputes the rest."""
     eqns = [walk.jaxpr.eqns[j] for j in region]
     made = {v for e in eqns for v in e.outvars}
     leaves = list(
@@ -63,14 +74,15 @@ def _run(walk: Walk, region: tuple[int, ...]) -> Any:
         return local[eqns[-1].outvars[0]]
 
     vals = [walk.env[v] for v in leaves]
-    if _state.current().recomputed or not any(map(is_low, vals)):
+    entering = vals if input_var is None else [walk.env[input_var]]
+    if _state.current().recomputed or not any(map(is_low, entering)):
         return run(*vals)
 
     def recomputed_run(*vals):
         with cast_cache(), _state.recomputing():  # casts traced here stay here
             return run(*vals)
 
-    with jax.named_scope(RMS_SCOPE):
+    with jax.named_scope(scope):
         return jax.checkpoint(recomputed_run)(*vals)
 
 

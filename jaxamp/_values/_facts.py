@@ -50,6 +50,12 @@ equation's values *are*:
   records those operand equations (``rms_operand_eqns``): the RMSNorm region
   rewrite (``_rmsnorm.py``) runs the square, statistic and scaling together;
 
+* per equation: ``ln_region``, on a LayerNorm's normalisation (``centred *
+  s`` / ``centred / s`` with ``s`` computed from the same ``x``), the
+  equations computing it from ``x`` when no other equation reads their values
+  (``_patterns.CentredRegions``), and ``ln_input``, that ``x``: the LayerNorm
+  region rewrite (``_layernorm.py``) runs them together;
+
 * per ``scan``: which float carries may be narrowed to the compute dtype. A
   carry is narrowed only if it reaches a matmul in the body (an activation such
   as the residual stream) and no matmul-free path from a carry into it passes
@@ -77,7 +83,13 @@ from .._base import _state
 from .._base._jaxpr import is_var, named_subs
 from .._base._prims import MATMULS
 from .._base._structure import Structure, SubJaxpr, call_body, describe
-from ._patterns import COLLECTIVE_SUMS, centring, quadratic, rms_operands
+from ._patterns import (
+    COLLECTIVE_SUMS,
+    CentredRegions,
+    centring,
+    quadratic,
+    rms_operands,
+)
 
 REACH, WIDE, SUM, TRANSPOSED = 1, 2, 4, 8
 ALL = REACH  # conservative bits for an output whose consumers are unknown
@@ -147,6 +159,10 @@ class EqnFacts:
         rms_operand_eqns: for an ``rms_scaling`` equation, the equations
             computing its operands from ``x``: the square of the statistic,
             then Flax's shift if there is one.
+        ln_region: for a LayerNorm normalisation, the indices of the
+            equations computing it from its input (ascending, itself last):
+            the means, centrings, variance and its root (module docstring).
+        ln_input: for such an equation, that input variable ``x``.
         shared_inputs: per input, whether another equation (or the jaxpr's
             outputs) reads the same value too (a weight used by many matmuls).
         after_normalisation: an input is a centred value multiplied or divided
@@ -166,6 +182,8 @@ class EqnFacts:
     rms_scaling: bool = False
     rms_operand: bool = False
     rms_operand_eqns: tuple = ()
+    ln_region: tuple[int, ...] = ()
+    ln_input: Any = None
     after_normalisation: bool = False
     shared_inputs: tuple[bool, ...] = ()
     narrow_carries: tuple[bool, ...] = ()
@@ -306,17 +324,27 @@ def _analyse(jaxpr: Any, out_bits: tuple[int, ...], ignore: frozenset) -> JaxprF
 
 def _mark_normalisations(jaxpr: Any, facts: list) -> None:
     """Forward: the readers of ``centred * s`` / ``centred / s`` and of an
-    ``rms_scaling`` output get ``after_normalisation`` (within one jaxpr)."""
-    centred: set = set()
+    ``rms_scaling`` output get ``after_normalisation``, and a LayerNorm's
+    normalisation its ``ln_region`` (within one jaxpr)."""
+    centred: dict = {}  # centred value -> the variable that was centred
     normalised: set = set()
+    regions = CentredRegions(jaxpr)
     for k, eqn in enumerate(jaxpr.eqns):
         ins = [v for v in eqn.invars if is_var(v)]
         if facts[k].centring:
-            centred.update(eqn.outvars)
+            centred.update((v, eqn.invars[0]) for v in eqn.outvars)
         elif facts[k].rms_scaling:
             normalised.update(eqn.outvars)
         elif eqn.primitive.name in ("mul", "div") and any(v in centred for v in ins):
             normalised.update(eqn.outvars)
+            c = eqn.invars[: 2 if eqn.primitive.name == "mul" else 1]
+            c = [v for v in c if is_var(v) and v in centred]
+            if c and not facts[k].quadratic:
+                x, region = regions.find(k, centred[c[0]])
+                if region:
+                    facts[k] = dataclasses.replace(
+                        facts[k], ln_region=region, ln_input=x
+                    )
         elif any(v in normalised for v in ins):
             facts[k] = dataclasses.replace(facts[k], after_normalisation=True)
 

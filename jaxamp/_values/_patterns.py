@@ -3,16 +3,20 @@
 Each recogniser looks at one equation and, through ``producer`` (variable ->
 the equation that computed it), at the few equations before it: a value times
 itself (:func:`quadratic`), a value minus its own mean (:func:`centring`), a
-value scaled by the inverse root of its own mean square (:func:`rms_operands`).
-They are pure functions of the jaxpr; ``_facts.py`` turns their answers into
-per-equation facts.
+value scaled by the inverse root of its own mean square (:func:`rms_operands`);
+and, for a LayerNorm's normalisation, the equations that compute it from its
+input (:class:`CentredRegions`). They are pure functions of the jaxpr;
+``_facts.py`` turns their answers into per-equation facts.
 """
 
 from __future__ import annotations
 
+import collections
+import functools
 from typing import Any
 
-from .._base._jaxpr import is_var
+from .._base._jaxpr import is_var, named_subs
+from .._base._structure import describe
 
 # Ops that keep a value's magnitude (seen through when asking "x times itself?").
 _SAME_MAGNITUDE = frozenset(
@@ -214,3 +218,100 @@ def _is_constant(v: Any, producer: dict) -> bool:
             return False
         v = eqn.invars[0]
     return False
+
+
+
+def _plain_call(eqn: Any) -> bool:
+    """A call a centred region may hold (Equinox's ``jnp.var`` is a ``jit``):
+    not a user's checkpoint, loop or custom rule."""
+    s = describe(eqn)
+    return s is not None and s.call and s.dtypes_flow and not s.recomputed
+
+
+def centred_region(
+    eqns: Any, k: int, x: Any, readers: dict, returned: set
+) -> tuple[int, ...]:
+    """The equations computing normalisation ``eqns[k]`` from ``x``.
+
+    ``eqns[k]`` multiplies or divides a centred value ``x - mean(x)`` (its
+    first operand ``c``) by a factor (its other operand). The region is every
+    equation that descends from ``x`` and is an ancestor of ``k`` (the means,
+    the centrings, the variance, its root), plus ``k``. It is kept only where
+    recomputing it from ``x`` replaces float32 residuals: the factor itself
+    descends from ``x`` (so ``k``'s backward pass would save the float32
+    centred value), no value it computes but ``k``'s is read outside it or
+    returned, and it holds no equation with several results or with
+    sub-jaxprs other than a plain call.
+
+    Args:
+        eqns: the jaxpr's equations.
+        k: index of the normalisation (``mul``/``div``).
+        x: the centring's input variable (the normalised activations).
+        readers: variable -> indices of the equations reading it.
+        returned: the jaxpr's output variables.
+
+    Returns:
+        The region's indices, ascending with ``k`` last; ``()`` if none.
+    """
+    start = next((j + 1 for j in range(k - 1, -1, -1) if x in eqns[j].outvars), 0)
+    desc = {x}
+    below: set[int] = set()
+    for j in range(start, k + 1):
+        if any(is_var(v) and v in desc for v in eqns[j].invars):
+            below.add(j)
+            desc.update(eqns[j].outvars)
+    if k not in below or not all(is_var(v) and v in desc for v in eqns[k].invars):
+        return ()  # the factor does not come from x: nothing saved by recomputing
+    need = {v for v in eqns[k].invars if is_var(v)}
+    region = {k}
+    for j in range(k - 1, start - 1, -1):
+        if j in below and any(v in need for v in eqns[j].outvars):
+            region.add(j)
+            need.update(v for v in eqns[j].invars if is_var(v))
+    for j in region - {k}:
+        e = eqns[j]
+        nested = e.primitive.multiple_results or named_subs(e.params)
+        if nested and not _plain_call(e):
+            return ()
+        if any(v in returned or not readers.get(v, set()) <= region for v in e.outvars):
+            return ()
+    return tuple(sorted(region))
+
+
+class CentredRegions:
+    """The readers and producers of one jaxpr's values, to find the region
+    of each LayerNorm normalisation (:func:`centred_region`)."""
+
+    def __init__(self, jaxpr: Any):
+        self.jaxpr = jaxpr
+        self.eqns = jaxpr.eqns
+
+    @functools.cached_property
+    def producer(self) -> dict:
+        """Variable -> the equation computing it."""
+        return {v: e for e in self.eqns for v in e.outvars}
+
+    @functools.cached_property
+    def readers(self) -> dict:
+        """Variable -> indices of the equations reading it."""
+        out: dict = collections.defaultdict(set)
+        for j, e in enumerate(self.eqns):
+            for v in e.invars:
+                if is_var(v):
+                    out[v].add(j)
+        return out
+
+    @functools.cached_property
+    def returned(self) -> set:
+        """The jaxpr's output variables."""
+        return {v for v in self.jaxpr.outvars if is_var(v)}
+
+    def find(self, k: int, x: Any) -> tuple[Any, tuple[int, ...]]:
+        """``(input, region)`` of normalisation ``k`` of centred ``x``: from
+        ``x`` seen through casts first (the region then recomputes the cast
+        too), else from ``x`` itself; ``(None, ())`` if neither qualifies."""
+        for start in dict.fromkeys((root(x, self.producer), x)):
+            region = centred_region(self.eqns, k, start, self.readers, self.returned)
+            if region:
+                return start, region
+        return None, ()
