@@ -11,6 +11,10 @@ from ._amp import amp as amp
 from ._amp import amp_stop as amp_stop
 from ._base._ambient_policy import current_policy as current_policy
 from ._base._ambient_policy import policy_compute_dtype as policy_compute_dtype
+from ._policy._kinds import CarryRule as CarryRule
+from ._policy._kinds import CastRule as CastRule
+from ._policy._kinds import ImplementationRule as ImplementationRule
+from ._policy._kinds import ScopePolicy as ScopePolicy
 from ._policy._rules import default_amp_policy as default_amp_policy
 from ._policy._rules import follow_compute_precision as follow_compute_precision
 from ._policy._rules import keep_current_precision as keep_current_precision
@@ -91,12 +95,16 @@ __version__ = "0.1.0"
 
 __all__ = (
     "AttentionRule",
+    "CarryRule",
+    "CastRule",
     "DTypeish",
     "DynamicLossScaling",
     "DynamicScalerState",
+    "ImplementationRule",
     "MatmulRecord",
     "Overflow",
     "Policy",
+    "ScopePolicy",
     "SemanticDType",
     "SkipNonFiniteState",
     "StaticScalerState",
