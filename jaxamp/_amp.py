@@ -104,10 +104,11 @@ def amp(
             (the default): the compute dtype of the enclosing
             :func:`jaxamp.mixed_precision` block when ``amp`` is called, else
             ``jnp.float16`` (jaxamp 0.0.4's default).
-        amp_policy: mapping from primitive objects, primitive names or
-            ``jax.named_scope`` names (plus ``"amp_stop"`` and
-            ``"amp_default"``) to rules
-            ``rule(compute_dtype, original_dtypes, *invars, **params)``.
+        amp_policy: mapping from primitive objects, primitive names,
+            ``jax.named_scope`` names or ``/``-separated scope paths
+            (``"layer2/mlp"``; plus ``"amp_stop"`` and ``"amp_default"``) to
+            rules ``rule(compute_dtype, original_dtypes, *invars, **params)``
+            or typed policy values (:class:`jaxamp.CastRule`, ...).
         overflow_check: make forward overflows visible: where a sum, product,
             power, matmul or narrowing cast turns finite inputs into a
             non-finite float16 (or FP8) value, that value becomes NaN, so the
