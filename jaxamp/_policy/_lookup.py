@@ -149,8 +149,6 @@ def _typed(amp_policy: Mapping) -> dict[Any, Any]:
                     "jax.named_scope name or path takes one."
                 )
             value = AmpPolicy(value.policy)  # a policy for everything inside
-        elif isinstance(key, str):
-            _path(key)  # a malformed path raises
         typed[key] = value
     return typed
 
@@ -210,9 +208,6 @@ class AmpPolicy:
         by_name.setdefault("amp_stop", default_amp_policy["amp_stop"])
         self._stop = by_name["amp_stop"]
         self._default = by_name.pop("amp_default", default_amp_policy["amp_default"])
-        for key, rule in (("amp_stop", self._stop), ("amp_default", self._default)):
-            if not isinstance(rule, (CastRule, ImplementationRule)):
-                raise TypeError(f"amp_policy[{key!r}] must be a rule, got {rule!r}.")
         self._by_name = by_name
         self._source = dict(amp_policy)
         self._user_keys = _user_keys(typed)
