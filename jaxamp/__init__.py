@@ -10,11 +10,12 @@ integration complete the training story.
 from . import compat as compat
 from ._amp import amp as amp
 from ._amp import amp_stop as amp_stop
-
-# The migration names (jmp, mpx, Haliax) stay importable from ``jaxamp`` for
-# code written against it; their home is ``jaxamp.compat.{jmp,mpx,haliax}``.
 from ._base._ambient_policy import current_policy as current_policy
 from ._base._ambient_policy import policy_compute_dtype as policy_compute_dtype
+from ._policy._kinds import CarryRule as CarryRule
+from ._policy._kinds import CastRule as CastRule
+from ._policy._kinds import ImplementationRule as ImplementationRule
+from ._policy._kinds import ScopePolicy as ScopePolicy
 from ._policy._rules import default_amp_policy as default_amp_policy
 from ._policy._rules import follow_compute_precision as follow_compute_precision
 from ._policy._rules import keep_current_precision as keep_current_precision
@@ -93,11 +94,18 @@ from .compat._mpx import scaled as scaled
 
 __version__ = "0.1.0"
 
+# The core names. The jmp, mpx and Haliax names imported above stay importable
+# from ``jaxamp`` for code written against it; their home is
+# ``jaxamp.compat.{jmp,mpx,haliax}``.
 __all__ = (
     "AttentionRule",
+    "CarryRule",
+    "CastRule",
     "DynamicScalerState",
+    "ImplementationRule",
     "MatmulRecord",
     "Overflow",
+    "ScopePolicy",
     "SkipNonFiniteState",
     "StaticScalerState",
     "all_finite",

@@ -9,6 +9,7 @@ restores the output dtypes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -23,17 +24,41 @@ from ._base import _overflow
 from ._base._ambient_policy import policy_compute_dtype
 from ._base._cast import cast_cache, restore
 from ._base._dtypes import canonical_dtype, limited_range
+from ._policy import _derived_sums, _residuals
 from ._policy._lookup import AMP_REGION, AmpPolicy
 from ._policy._rules import Rule, default_amp_policy
 from ._rewrites import _attention, _layernorm, _rmsnorm
+from ._values._facts import current_facts
 from ._walk import _higher_order
-from ._walk._loop import AmpContext, Pipeline, eval_jaxpr
+from ._walk._loop import AmpContext, Bind, Pipeline, eval_jaxpr
+
+
+def _runnable_product(prim: Any, invals: Any, params: dict, bind: Bind) -> Any:
+    """Bind step: a product the backend can run (``_compat.runnable_product``:
+    the XLA:CPU barrier on a transposed bfloat16 product's result)."""
+    outs = bind(prim, invals, params)
+    transposed = current_facts().transposed
+    return _compat.runnable_product(prim, invals, params, outs, transposed)
+
+
+def _overflow_check(prim: Any, invals: Any, params: dict, bind: Bind) -> Any:
+    """Bind step: NaN in place of a fresh forward overflow, when amp's
+    ``overflow_check`` is on (``_overflow.poison``)."""
+    return _overflow.poison(prim.name, invals, bind(prim, invals, params))
+
 
 # The tables every amp walks with: the higher-order rules (a live view:
-# rules registered later apply) and the pattern rewrites, attention first.
+# rules registered later apply), the pattern rewrites, attention first, the
+# steps that bind a ruled equation, innermost first, and the residual choice.
 DEFAULT_PIPELINE = Pipeline(
     higher_order=_higher_order.higher_order_rules,
     rewrites=(_attention.REWRITE, _rmsnorm.REWRITE, _layernorm.REWRITE),
+    bind_steps=(
+        ("derived_sums", _derived_sums.bind),  # float32 sums of derived broadcasts
+        ("runnable_product", _runnable_product),
+        ("overflow_check", _overflow_check),
+    ),
+    residuals=_residuals.bind_saving_less,
 )
 
 
@@ -79,10 +104,11 @@ def amp(
             (the default): the compute dtype of the enclosing
             :func:`jaxamp.mixed_precision` block when ``amp`` is called, else
             ``jnp.float16`` (jaxamp 0.0.4's default).
-        amp_policy: mapping from primitive objects, primitive names or
-            ``jax.named_scope`` names (plus ``"amp_stop"`` and
-            ``"amp_default"``) to rules
-            ``rule(compute_dtype, original_dtypes, *invars, **params)``.
+        amp_policy: mapping from primitive objects, primitive names,
+            ``jax.named_scope`` names or ``/``-separated scope paths
+            (``"layer2/mlp"``; plus ``"amp_stop"`` and ``"amp_default"``) to
+            rules ``rule(compute_dtype, original_dtypes, *invars, **params)``
+            or typed policy values (:class:`jaxamp.CastRule`, ...).
         overflow_check: make forward overflows visible: where a sum, product,
             power, matmul or narrowing cast turns finite inputs into a
             non-finite float16 (or FP8) value, that value becomes NaN, so the
@@ -163,6 +189,7 @@ def amp_with(
 
 
 _CHOICES = frozenset({"narrow_activations", "loop_casts"})
+_BIND_STEPS = frozenset(name for name, _ in DEFAULT_PIPELINE.bind_steps)
 
 
 def ablated(
@@ -183,7 +210,10 @@ def ablated(
         choices: residual and loop choices not made
             (``"narrow_activations"``: a matmul of an activation and a held
             weight casts nothing early; ``"loop_casts"``: ``scan`` inputs are
-            cast in the loop body, not once before it).
+            cast in the loop body, not once before it) and bind steps skipped
+            (``"derived_sums"``: derived broadcasts' sums in the compute dtype;
+            ``"runnable_product"``: no XLA:CPU barrier; ``"overflow_check"``:
+            no check even where ``overflow_check`` asks for one).
 
     Returns:
         A function with :func:`amp`'s signature.
@@ -194,18 +224,19 @@ def ablated(
     """
     rewrites, facts, choices = map(frozenset, (rewrites, facts, choices))
     known = {r.name for r in DEFAULT_PIPELINE.rewrites}
-    if not (rewrites <= known and facts <= {"rms_scaling"} and choices <= _CHOICES):
+    all_choices = _CHOICES | _BIND_STEPS
+    if not (rewrites <= known and facts <= {"rms_scaling"} and choices <= all_choices):
         raise ValueError(
             f"ablated(rewrites={sorted(rewrites)}, facts={sorted(facts)}, "
             f"choices={sorted(choices)}): rewrites are {sorted(known)}, facts "
-            f"['rms_scaling'], choices {sorted(_CHOICES)}."
+            f"['rms_scaling'], choices {sorted(all_choices)}."
         )
     base = DEFAULT_PIPELINE
-    pipeline = Pipeline(
-        base.higher_order,
-        tuple(r for r in base.rewrites if r.name not in rewrites),
-        base.ignore_facts | facts,
-        base.off | choices,
+    pipeline = dataclasses.replace(
+        base,
+        rewrites=tuple(r for r in base.rewrites if r.name not in rewrites),
+        ignore_facts=base.ignore_facts | facts,
+        off=base.off | choices,
     )
 
     def amp_ablated(

@@ -153,6 +153,11 @@ def source_line(eqn: Any) -> str:
     return _siu.summarize(eqn.source_info)
 
 
+# The name-stack component JAX 0.10 / 0.11 gives the body of a jax.checkpoint
+# when it is differentiated or partially evaluated (jax/_src/ad_checkpoint.py).
+REMAT_BODY_SCOPE = "rematted_computation"
+
+
 def scope_names(eqn: Any) -> tuple[str, ...]:
     """The ``jax.named_scope`` components on an equation's name stack, outermost
     first. Transform markers (``jvp(...)``, ``transpose(...)``) are skipped."""

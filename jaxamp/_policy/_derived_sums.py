@@ -37,7 +37,7 @@ same residual) and the counts and the tangent's sum are float32.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -250,13 +250,20 @@ def wide_dot_general(x: Any, y: Any, dimension_numbers: Any) -> Any:
     return product(x, y)
 
 
-def bind(prim: Any, invals: Sequence[Any], params: dict) -> Any:
-    """Bind ``prim`` so that the sums its derivatives need run in float32.
+def bind(
+    prim: Any,
+    invals: Sequence[Any],
+    params: dict,
+    bind: Callable[[Any, Sequence[Any], dict], Any] = _compat.bind,
+) -> Any:
+    """Bind ``prim`` so that the sums its derivatives need run in float32 (a
+    bind step of the pipeline, ``_walk._loop.BindStep``).
 
     Args:
         prim: the primitive of an equation.
         invals: its inputs after the policy's casts (arrays, tracers or literals).
         params: its bind parameters (as from ``_compat.bind_params``).
+        bind: how to bind an equation that needs no ``custom_jvp``.
 
     Returns:
         ``prim``'s outputs, with the same values and dtypes as ``prim.bind``.
@@ -276,4 +283,4 @@ def bind(prim: Any, invals: Sequence[Any], params: dict) -> Any:
         out = _chooser(prim, invals, params)
     else:
         out = None
-    return _compat.bind(prim, invals, params) if out is None else out
+    return bind(prim, invals, params) if out is None else out

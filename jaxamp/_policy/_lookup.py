@@ -1,10 +1,12 @@
 """``AmpPolicy``: a validated view of an ``amp_policy`` mapping, and its lookup.
 
-Keys are primitive objects, primitive names or ``jax.named_scope`` names (plus
-``"amp_stop"`` and ``"amp_default"``); values are rules, or, for scope keys,
-nested policies that apply inside the scope.
+Keys are primitive objects, primitive names, ``jax.named_scope`` names or
+``/``-separated scope paths (plus ``"amp_stop"`` and ``"amp_default"``);
+values are typed policy values (``_kinds.py``): cast rules, implementation
+rules, the attention rule, or, for scope keys, nested policies that apply
+inside the scope. Plain functions and mappings are converted on the way in.
 
-A policy records the primitive names and scope components it is asked about;
+A policy records the primitive names and scope paths it is asked about;
 after a trace, :meth:`AmpPolicy.warn_unmatched` warns about each key the user
 wrote that matched none of them (a typo such as ``"dot_genral"`` would
 otherwise be ignored silently).
@@ -12,6 +14,7 @@ otherwise be ignored silently).
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import sys
 import warnings
@@ -19,7 +22,16 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .. import _compat
-from ._rules import Rule, default_amp_policy
+from ._kinds import (
+    ATTENTION_KEY,
+    AttentionRule,
+    CastRule,
+    ImplementationRule,
+    PolicyValue,
+    ScopePolicy,
+    as_policy_value,
+)
+from ._rules import default_amp_policy
 
 # Scope that marks equations an amp has already rewritten: an enclosing amp
 # treats them as "amp_stop", so the innermost amp decides inside its region.
@@ -31,23 +43,54 @@ _SPECIAL_KEYS = ("amp_stop", "amp_default")
 _LIBRARIES = ("jax.", "jaxlib.", "jaxamp.", "equinox.", "flax.")
 
 
-def builtin_rule(rule: Rule, *keys: str) -> Rule:
-    """Mark ``rule`` as what jaxamp's ready-made policies map ``keys`` to
-    (e.g. :func:`jaxamp.fp8_policy`'s ``dot_general`` rule): such an entry is
-    not the user's, so it never warns as unmatched. Returns ``rule``."""
-    marked = frozenset(getattr(rule, "amp_builtin_keys", ()))
-    rule.amp_builtin_keys = marked | frozenset(keys)
-    return rule
+def builtin_rule(rule: ImplementationRule, *keys: str) -> ImplementationRule:
+    """A copy of ``rule`` marked as what jaxamp's ready-made policies map
+    ``keys`` to (e.g. :func:`jaxamp.fp8_policy`'s ``dot_general`` rule): such
+    an entry is not the user's, so it never warns as unmatched.
+
+    Raises:
+        TypeError: if ``rule`` is not an :class:`ImplementationRule`.
+    """
+    if not isinstance(rule, ImplementationRule):
+        raise TypeError(f"builtin_rule: expected an ImplementationRule, got {rule!r}.")
+    return dataclasses.replace(rule, builtin_keys=rule.builtin_keys | frozenset(keys))
 
 
-def _is_builtin(key: Any, rule: Any) -> bool:
-    """Whether ``key: rule`` comes from jaxamp's own policies: the key is a
-    special key, or maps to the same rule as in the default table, or the rule
-    is marked by :func:`builtin_rule` for it."""
+def _is_builtin(key: Any, value: PolicyValue) -> bool:
+    """Whether ``key: value`` comes from jaxamp's own policies: the key is a
+    special key, or maps to the same value as in the default table, or the
+    value is an implementation rule marked by :func:`builtin_rule` for it."""
     if isinstance(key, str) and key in _SPECIAL_KEYS:
         return True
     builtin = default_amp_policy.get(key) if isinstance(key, str) else None
-    return builtin is rule or key in getattr(rule, "amp_builtin_keys", ())
+    marked = getattr(value, "builtin_keys", ())
+    return builtin is value or (isinstance(value, ImplementationRule) and key in marked)
+
+
+def _path(key: str) -> tuple[str, ...]:
+    """The scope components of the string key ``key`` (one for a name)."""
+    parts = tuple(key.split("/"))
+    if len(parts) > 1 and not all(parts):
+        raise ValueError(
+            f"amp_policy key {key!r}: a scope path needs non-empty components "
+            "separated by single '/', e.g. 'layer2/mlp'."
+        )
+    return parts
+
+
+def _user_path(scopes: Sequence[str]) -> tuple[str, ...]:
+    """The scope components path keys are matched against: without the scope
+    JAX gives a differentiated ``jax.checkpoint`` body."""
+    return tuple(s for s in scopes if s != _compat.REMAT_BODY_SCOPE)
+
+
+def _find(path: tuple[str, ...], names: Sequence[str]) -> int:
+    """Index where ``path`` occurs as a contiguous run of ``names``, or -1."""
+    n = len(path)
+    for j in range(len(names) - n + 1):
+        if tuple(names[j : j + n]) == path:
+            return j
+    return -1
 
 
 def _closest(name: str, seen: set[str]) -> list[str]:
@@ -73,50 +116,83 @@ def _user_stacklevel() -> int:
     return level if frame is not None else 1
 
 
-def _user_keys(amp_policy: Mapping, by_name: Mapping) -> dict[Any, tuple]:
+def _user_keys(typed: Mapping) -> dict[Any, tuple]:
     """Key -> the scope keys it is nested in, for every key the user wrote
     (nested policies included), built-in entries left out."""
     keys: dict[Any, tuple] = {}
-    for key, rule in amp_policy.items():
-        inner = by_name.get(key) if isinstance(key, str) else None
-        if isinstance(inner, AmpPolicy):
+    for key, value in typed.items():
+        if isinstance(value, AmpPolicy):
             keys.setdefault(key, ())
-            for k, path in inner._user_keys.items():
+            for k, path in value._user_keys.items():
                 keys.setdefault(k, (key, *path))
-        elif not _is_builtin(key, rule):
+        elif not _is_builtin(key, value):
             keys.setdefault(key, ())
     return keys
+
+
+def _typed(amp_policy: Mapping) -> dict[Any, Any]:
+    """Key -> typed value (``_kinds.as_policy_value``; a scope policy as a
+    nested :class:`AmpPolicy`), keys validated."""
+    typed: dict[Any, Any] = {}
+    for key, value in amp_policy.items():
+        value = as_policy_value(key, value)
+        if not isinstance(key, (str, _compat.Primitive)):
+            raise TypeError(
+                f"amp_policy key {key!r} of type {type(key).__name__} is neither "
+                "a primitive (e.g. jax.lax.dot_general_p), a primitive name "
+                "(e.g. 'dot_general') nor a jax.named_scope name or path (a str)."
+            )
+        if isinstance(value, ScopePolicy):
+            if not isinstance(key, str) or key in _SPECIAL_KEYS:
+                raise TypeError(
+                    f"amp_policy[{key!r}] is a nested policy; only a "
+                    "jax.named_scope name or path takes one."
+                )
+            value = AmpPolicy(value.policy)  # a policy for everything inside
+        typed[key] = value
+    return typed
 
 
 class AmpPolicy:
     """A validated, immutable view of an ``amp_policy`` mapping.
 
-    Keys are primitive objects, primitive names or ``jax.named_scope`` names
-    (plus the special keys ``"amp_stop"`` and ``"amp_default"``); values are
-    rules, or (for scope keys) nested policies that apply inside the scope.
-    Lookup order: ``"amp_stop"`` (or an inner amp's region) anywhere on
-    the scope stack, then as in jaxamp 0.0.4 the outermost scope component
-    found in the policy, then the primitive object, then the primitive name,
-    then ``"amp_default"``.
+    Keys are primitive objects, primitive names, ``jax.named_scope`` names or
+    ``/``-separated scope paths (plus the special keys ``"amp_stop"`` and
+    ``"amp_default"``); values are typed policy values (:class:`CastRule`,
+    :class:`ImplementationRule`, :class:`AttentionRule`; for scope keys, a
+    :class:`ScopePolicy` that applies inside the scope); plain functions and
+    mappings are converted.
+
+    Lookup order: ``"amp_stop"`` (or an inner amp's region) anywhere on the
+    scope stack; then the scope keys that match the equation's scope stack: a
+    path ``"a/b"`` matches where its components occur as a contiguous run of
+    the stack (anywhere, not only from the root; JAX's
+    ``rematted_computation`` component is skipped), a name where it is one
+    component; the longest matching key wins, and among equally long ones the
+    outermost (as jaxamp 0.0.4 for names); then the primitive object, then the
+    primitive name, then ``"amp_default"``. A nested policy found on the stack
+    is looked up with the components inside its match.
 
     The view is immutable but for the record of the primitive names and scope
-    components :meth:`lookup` was asked about (across every trace of the
-    amp'd function), which :meth:`warn_unmatched` compares with the keys.
+    stacks :meth:`lookup` was asked about (across every trace of the amp'd
+    function), which :meth:`warn_unmatched` compares with the keys.
     """
 
     __slots__ = (
         "_by_prim",
         "_by_name",
+        "_by_path",
         "_default",
         "_source",
         "_stop",
         "_user_keys",
         "_seen_prims",
         "_seen_scopes",
+        "_seen_stacks",
         "_warned",
     )
 
-    def __init__(self, amp_policy: Mapping[Any, Rule]):
+    def __init__(self, amp_policy: Mapping[Any, Any]):
         if isinstance(amp_policy, AmpPolicy):
             amp_policy = amp_policy._source
         if not isinstance(amp_policy, Mapping):
@@ -124,87 +200,114 @@ class AmpPolicy:
                 "amp_policy must be a mapping from primitive / primitive name / "
                 f"named_scope name to rule, got {type(amp_policy).__name__}."
             )
-        by_prim: dict[Any, Rule] = {}
-        by_name: dict[str, Rule] = {}
-        for key, rule in amp_policy.items():
-            if isinstance(rule, Mapping) and isinstance(key, str):
-                rule = AmpPolicy(rule)  # a policy for everything inside a scope
-            elif not callable(rule):
-                raise TypeError(
-                    f"amp_policy[{key!r}] must be a rule (a callable with signature "
-                    "rule(compute_dtype, original_dtypes, *invars, **params)), got "
-                    f"{type(rule).__name__}."
-                )
-            if isinstance(key, _compat.Primitive):
-                by_prim[key] = rule
-            elif isinstance(key, str):
-                by_name[key] = rule
-            else:
-                raise TypeError(
-                    f"amp_policy key {key!r} of type {type(key).__name__} is neither "
-                    "a primitive (e.g. jax.lax.dot_general_p), a primitive name "
-                    "(e.g. 'dot_general') nor a jax.named_scope name (a str)."
-                )
+        typed = _typed(amp_policy)
+        self._by_prim = {k: v for k, v in typed.items() if not isinstance(k, str)}
+        paths = {_path(k): v for k, v in typed.items() if isinstance(k, str)}
+        by_name = {p[0]: v for p, v in paths.items() if len(p) == 1}
+        self._by_path = {p: v for p, v in paths.items() if len(p) > 1}
         by_name.setdefault("amp_stop", default_amp_policy["amp_stop"])
         self._stop = by_name["amp_stop"]
         self._default = by_name.pop("amp_default", default_amp_policy["amp_default"])
-        self._by_prim = by_prim
         self._by_name = by_name
         self._source = dict(amp_policy)
-        self._user_keys = _user_keys(amp_policy, by_name)
+        self._user_keys = _user_keys(typed)
         self._seen_prims: set[str] = set()
         self._seen_scopes: set[str] = set()
+        self._seen_stacks: set[tuple[str, ...]] = set()
         self._warned: set[Any] = set()
 
     @property
-    def default_rule(self) -> Rule:
+    def default_rule(self) -> CastRule | ImplementationRule:
         """The rule used when nothing in the policy matches (``"amp_default"``)."""
         return self._default
 
     @property
-    def stop_rule(self) -> Rule:
+    def stop_rule(self) -> CastRule | ImplementationRule:
         """The rule of ``amp_stop`` regions (and of inner amps' regions)."""
         return self._stop
 
-    def lookup(self, primitive: Any, scopes: Sequence[str]) -> Rule:
-        """The rule for ``primitive`` under the scope components ``scopes``
-        (recorded: see :meth:`warn_unmatched`)."""
-        self._seen_prims.add(primitive.name)
+    def lookup(self, primitive: Any, scopes: Sequence[str]) -> PolicyValue:
+        """The policy value for ``primitive`` (a primitive, or a key name such
+        as ``"attention"``) under the scope components ``scopes``, outermost
+        first (recorded: see :meth:`warn_unmatched`)."""
+        name = primitive if isinstance(primitive, str) else primitive.name
+        self._seen_prims.add(name)
         self._seen_scopes.update(scopes)
+        self._seen_stacks.add(_user_path(scopes))
         if "amp_stop" in scopes or AMP_REGION in scopes:
             return self._stop
+        found = self._in_scopes(scopes, name == ATTENTION_KEY)
+        if found is not None:
+            value, inside = found
+            if isinstance(value, AmpPolicy):  # nested: look up inside the scope
+                return value.lookup(primitive, inside)
+            return value
+        value = None if isinstance(primitive, str) else self._by_prim.get(primitive)
+        if value is None:
+            value = self._by_name.get(name)
+        return self._default if value is None or isinstance(value, AmpPolicy) else value
+
+    def _in_scopes(self, scopes: Sequence[str], attention: bool) -> tuple | None:
+        """``(value, components inside the match)`` of the scope key that wins
+        on ``scopes`` (see the class docstring), or None. An attention rule
+        matches only when ``attention`` (the attention lookup)."""
+        best = None  # (components, start, value, end in scopes)
         for i, scope in enumerate(scopes):
-            rule = self._by_name.get(scope)
-            if isinstance(rule, AmpPolicy):  # nested: look up inside the scope
-                return rule.lookup(primitive, scopes[i + 1 :])
-            if rule is not None:
-                return rule
-        rule = self._by_prim.get(primitive)
-        if rule is not None:
-            return rule
-        rule = self._by_name.get(primitive.name)
-        return self._default if rule is None or isinstance(rule, AmpPolicy) else rule
+            value = self._by_name.get(scope)
+            if value is None or (isinstance(value, AttentionRule) and not attention):
+                continue
+            best = (1, i, value, i + 1)
+            break
+        if self._by_path:
+            kept = [i for i, s in enumerate(scopes) if s != _compat.REMAT_BODY_SCOPE]
+            names = [scopes[i] for i in kept]
+            for path, value in self._by_path.items():
+                j = _find(path, names)
+                n = len(path)
+                if j >= 0 and (best is None or (n, -j) > (best[0], -best[1])):
+                    best = (n, j, value, kept[j + n - 1] + 1)
+        return None if best is None else (best[2], tuple(scopes[best[3] :]))
+
+    def _matched(self, name: str) -> bool:
+        """Whether the key ``name`` (primitive, scope name or path) matched."""
+        path = _path(name)
+        if len(path) == 1:
+            return name in self._seen_prims or name in self._seen_scopes
+        return any(_find(path, stack) >= 0 for stack in self._seen_stacks)
+
+    def _closest_path(self, path: tuple[str, ...]) -> list[str]:
+        """The scope path of ``len(path)`` components closest to ``path`` among
+        those seen ([] if none is close)."""
+        n = len(path)
+        seen = {
+            "/".join(stack[j : j + n])
+            for stack in self._seen_stacks
+            for j in range(len(stack) - n + 1)
+        }
+        return difflib.get_close_matches("/".join(path), sorted(seen), n=1)
 
     def warn_unmatched(self, where: str) -> None:
         """Warn (``UserWarning``) about each key the user wrote that matched no
-        primitive and no ``jax.named_scope`` looked up so far, naming the
-        closest known name; each key at most once per policy. Keys of jaxamp's
-        own policies never warn, nor do ``"amp_stop"`` and ``"amp_default"``;
-        keys of a nested policy are matched against the whole function.
+        primitive and no ``jax.named_scope`` (name, or path as a contiguous run
+        of a scope stack) looked up so far, naming the closest known name or
+        path; each key at most once per policy. Keys of jaxamp's own policies
+        never warn, nor do ``"amp_stop"`` and ``"amp_default"``; keys of a
+        nested policy are matched against the whole function.
 
         Args:
             where: the traced function's name, for the message.
         """
         seen = self._seen_prims | self._seen_scopes
-        for key, path in self._user_keys.items():
+        for key, nested_in in self._user_keys.items():
             is_prim = isinstance(key, _compat.Primitive)
             name = key.name if is_prim else key
-            if name in seen or key in self._warned:
+            if key in self._warned or self._matched(name):
                 continue
             self._warned.add(key)
-            close = _closest(name, seen)
+            path = _path(name)
+            close = _closest(name, seen) if len(path) == 1 else self._closest_path(path)
             shown = f"primitive {name!r}" if is_prim else repr(name)
-            nested = f" (in the policy of scope {path[-1]!r})" if path else ""
+            nested = f" (in the policy of scope {nested_in[-1]!r})" if nested_in else ""
             hint = f" Did you mean {close[0]!r}?" if close else ""
             warnings.warn(
                 f"jaxamp.amp: amp_policy key {shown}{nested} matched no primitive "

@@ -20,7 +20,7 @@ a careful hand-written model keeps them (see ``docs/design.md``, "Residuals"):
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import jax
@@ -54,7 +54,9 @@ def is_recast(eqn: Any) -> bool:
     return recomputed and RECAST_SCOPE in _compat.scope_names(eqn)
 
 
-def bind_saving_less(call: Any, invals: Sequence[Any], narrow: bool = True) -> Any:
+def bind_saving_less(
+    call: Any, invals: Sequence[Any], off: Collection[str] = frozenset()
+) -> Any:
     """Bind one equation under its rule, choosing what its backward pass saves.
 
     Args:
@@ -64,12 +66,14 @@ def bind_saving_less(call: Any, invals: Sequence[Any], narrow: bool = True) -> A
             ``call.bind(params, *inputs)`` and ``call.apply(*vals)`` (decide,
             then bind).
         invals: the equation's current input values.
-        narrow: cast a default-rule matmul's activations before its held
-            inputs (:func:`_narrow_activations`); False for ablations.
+        off: choices switched off, for ablations: with
+            ``"narrow_activations"`` a default-rule matmul's activations are
+            not cast before its held inputs (:func:`_narrow_activations`).
 
     Returns:
         The equation's outputs.
     """
+    narrow = "narrow_activations" not in off
     if narrow and call.name in MATMULS and call.rule is use_lower_precision:
         invals = _narrow_activations(invals, call.original, call.compute_dtype)
     if call.name in MATMULS and _casts_only_held(invals, call.compute_dtype):

@@ -11,7 +11,8 @@ the dtypes the traced (un-transformed) jaxpr declared for each input,
 jaxpr arrive as numpy scalars) and ``bind_params`` the primitive's parameters.
 A rule returns the (possibly cast) inputs, one per input, and the parameters to
 bind with. Integer, boolean, complex, PRNG-key and float0 values must never be
-cast: the helpers here only touch real floating values.
+cast: the helpers here only touch real floating values. Each rule here is a
+:class:`jaxamp.CastRule` (``_kinds.py``); the loop-carry rule a ``CarryRule``.
 
 The default table follows PyTorch's autocast op lists
 (https://pytorch.org/docs/stable/amp.html#autocast-op-reference) mapped onto
@@ -46,6 +47,7 @@ from .._base._dtypes import (
 )
 from .._base._prims import MATMULS
 from .._values._facts import current_facts
+from ._kinds import CarryRule, CastRule
 
 Rule = Callable[..., tuple[list, dict]]
 
@@ -59,14 +61,14 @@ def _set_result_dtype(params: dict, dtype: Any, invars: Iterable[Any]) -> dict:
     return params
 
 
-def use_precision(dtype: Any) -> Rule:
+def use_precision(dtype: Any) -> CastRule:
     """A rule that casts every float input to ``dtype``.
 
     Args:
         dtype: a floating dtype or name (``jnp.float32``, ``"bf16"``).
 
     Returns:
-        A rule (jaxamp signature) that also sets ``preferred_element_type`` to
+        A :class:`jaxamp.CastRule` that also sets ``preferred_element_type`` to
         ``dtype`` on primitives that have it (``dot_general``, convolutions).
 
     Raises:
@@ -80,9 +82,10 @@ def use_precision(dtype: Any) -> Rule:
         return out, _set_result_dtype(params, dtype, invars)
 
     rule.__name__ = f"use_precision({dtype.name})"
-    return rule
+    return CastRule(rule)
 
 
+@CastRule
 def use_compute_precision(compute_dtype, original_dtypes, *invars, **params):
     """Rule: cast float inputs to the compute dtype; ``preferred_element_type``
     (matmul/conv output and accumulation type request) to the compute dtype.
@@ -101,12 +104,14 @@ def use_compute_precision(compute_dtype, original_dtypes, *invars, **params):
     return out, _set_result_dtype(params, compute_dtype, invars)
 
 
+@CastRule
 def use_original_precision(compute_dtype, original_dtypes, *invars, **params):
     """Rule: cast every float input back to the dtype the original jaxpr had."""
     del compute_dtype
     return [cast(x, d) for x, d in zip(invars, original_dtypes)], params
 
 
+@CastRule
 def use_widest_precision(compute_dtype, original_dtypes, *invars, **params):
     """Rule: cast float inputs to the widest float dtype among them (PyTorch
     autocast's ``promote`` policy)."""
@@ -117,6 +122,7 @@ def use_widest_precision(compute_dtype, original_dtypes, *invars, **params):
     return [cast(x, target) for x in invars], params
 
 
+@CastRule
 def use_full_precision(compute_dtype, original_dtypes, *invars, **params):
     """Rule: run in float32 (or the input's dtype if wider, e.g. float64).
 
@@ -161,6 +167,7 @@ def _range_critical(compute_dtype) -> bool:
     )
 
 
+@CastRule
 def follow_compute_precision(compute_dtype, original_dtypes, *invars, **params):
     """Rule "follow" (the default for unlisted primitives), reading the value
     facts of :mod:`jaxamp._facts`:
@@ -210,6 +217,7 @@ def follow_compute_precision(compute_dtype, original_dtypes, *invars, **params):
     return _follow(compute_dtype, original_dtypes, invars), params
 
 
+@CastRule
 def keep_current_precision(compute_dtype, original_dtypes, *invars, **params):
     """Rule: leave every input as it is (for primitives whose inputs are
     independent, e.g. ``device_put``, ``optimization_barrier``, user casts)."""
@@ -217,6 +225,7 @@ def keep_current_precision(compute_dtype, original_dtypes, *invars, **params):
     return list(invars), params
 
 
+@CastRule
 def use_range_safe_precision(compute_dtype, original_dtypes, *invars, **params):
     """Rule for powers (``square``, ``integer_pow``): float32 when the compute
     dtype is float16 (``x**2`` overflows float16 once |x| > 256, ``x**3`` once
@@ -232,6 +241,7 @@ def use_range_safe_precision(compute_dtype, original_dtypes, *invars, **params):
     return _follow(compute_dtype, original_dtypes, invars), params
 
 
+@CastRule
 def use_lower_precision(compute_dtype, original_dtypes, *invars, **params):
     """Rule for matmuls and convolutions (PyTorch autocast's
     ``lower_precision_fp`` list): float inputs in the compute dtype, with float32
@@ -260,6 +270,7 @@ def use_lower_precision(compute_dtype, original_dtypes, *invars, **params):
     return out, new
 
 
+@CarryRule
 def narrow_bfloat16_carries(compute_dtype, original_dtypes, *carries, **params):
     """Loop-carry rule (the policy entry for ``scan``): with a bfloat16 compute
     dtype, the float carries that the value facts mark as narrowable run in

@@ -31,6 +31,7 @@ import jax
 import numpy as np
 
 from .._base._dtypes import is_float
+from .._policy._kinds import ImplementationRule
 from .._policy._lookup import builtin_rule
 from .._policy._rules import default_amp_policy, use_compute_precision
 
@@ -356,7 +357,7 @@ def eight_bit_rule(
     scope: str,
     quantized: Callable[[jax.Array, jax.Array, Any, Any], jax.Array],
 ) -> Callable:
-    """An amp implementation rule (``amp_impl = True``) for ``dot_general``
+    """An :class:`jaxamp.ImplementationRule` for ``dot_general``
     that runs ``quantized(lhs, rhs, dimension_numbers, compute_dtype)`` inside
     ``jax.named_scope(scope)``, shared by the int8 and FP8 rules.
 
@@ -382,9 +383,8 @@ def eight_bit_rule(
         with jax.named_scope(scope):
             return quantized(lhs, rhs, dn, compute_dtype)
 
-    rule.amp_impl = True
     rule.__name__ = name
-    return rule
+    return ImplementationRule(rule)
 
 
 def compute_dtype_dot(

@@ -200,7 +200,7 @@ def fp8_rule(
 ):
     """An amp *implementation rule* for ``dot_general`` that runs it in FP8.
 
-    Implementation rules (attribute ``amp_impl = True``) have the rule
+    Implementation rules (:class:`jaxamp.ImplementationRule`) have the rule
     signature but return the equation's outputs instead of
     ``(invars, bind_params)``; the interpreter uses them as they are. This one
     binds :func:`fp8_dot_general` for products of two floats that pass

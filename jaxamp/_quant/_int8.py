@@ -418,7 +418,7 @@ def int8_rule(
     key: jax.Array | None = None,
     weight: str = "auto",
 ):
-    """An amp implementation rule (``amp_impl = True``) running float
+    """An amp implementation rule (:class:`jaxamp.ImplementationRule`) running float
     ``dot_general`` equations through :func:`int8_dot_general`.
 
     A matmul that ``size_rule`` rejects runs in the compute dtype as under the

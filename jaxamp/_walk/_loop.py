@@ -9,8 +9,10 @@ It is handed, in :class:`Pipeline`, the tables that decide everything else:
 * ``rewrites``: pattern rewrites (:class:`PatternRewrite`): each finds regions
   of a jaxpr (:class:`Region`: equations the loop skips and replaces at the
   last one);
-* the policy (``_amp_policy.py``): primitive or scope -> rule, for every other
-  equation; what its backward pass saves is ``_residuals.py``'s choice.
+* the policy (``_policy/_lookup.py``): primitive or scope -> a typed policy
+  value, for every other equation: an implementation rule runs the equation
+  itself; a cast rule decides its inputs, then the pipeline's ``residuals``
+  step chooses what its backward pass saves and its ``bind_steps`` bind it.
 
 See ``docs/design.md`` for the pipeline from ``amp(fn)`` to the rewritten
 function.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -27,14 +30,27 @@ import jax
 import numpy as np
 
 from .. import _compat
-from .._base import _overflow, _state
+from .._base import _state
 from .._base._cast import cast_cache, restore
 from .._base._jaxpr import read, write
-from .._policy import _derived_sums, _residuals
+from .._policy._kinds import ImplementationRule
 from .._policy._lookup import AmpPolicy
 from .._values import _facts
 
 HigherOrderRule = Callable[[Any, list, "AmpContext"], Any]
+
+Bind = Callable[[Any, Sequence[Any], dict], Any]
+"""``bind(prim, invals, params) -> outputs``: binds a primitive."""
+
+BindStep = Callable[[Any, Sequence[Any], dict, Bind], Any]
+"""``step(prim, invals, params, bind) -> outputs``: one step of binding a
+ruled equation; ``bind`` binds through the steps listed before it (for the
+first step, the primitive's own bind)."""
+
+ResidualChoice = Callable[["RuleCall", list, frozenset], Any]
+"""``choice(call, invals, off) -> outputs``: binds a ruled equation through
+``call`` (:class:`RuleCall`), choosing what its backward pass saves; ``off``
+is :attr:`Pipeline.off`."""
 
 
 class Region(NamedTuple):
@@ -86,16 +102,36 @@ class Pipeline:
             equation wins).
         ignore_facts: pattern facts the analysis does not derive
             (``_facts.analyse``), for ablations.
-        off: residual and loop choices switched off, for ablations:
-            ``"narrow_activations"`` (:func:`jaxamp._residuals.bind_saving_less`
-            casts no activation early) and ``"loop_casts"`` (the ``scan`` rule
-            moves no cast before the loop).
+        off: names of choices and bind steps switched off, for ablations:
+            read by ``residuals`` and the higher-order rules (e.g.
+            ``"narrow_activations"``, ``"loop_casts"``); a bind step named
+            here is skipped.
+        bind_steps: ``(name, step)`` pairs (:data:`BindStep`) that bind an
+            equation after its rule decided its inputs, innermost first: each
+            wraps the ones before it.
+        residuals: how a ruled equation is bound (:data:`ResidualChoice`);
+            None: decide, then bind.
     """
 
     higher_order: Mapping[str, HigherOrderRule]
     rewrites: tuple[PatternRewrite, ...] = ()
     ignore_facts: frozenset = frozenset()
     off: frozenset = frozenset()
+    bind_steps: tuple[tuple[str, BindStep], ...] = ()
+    residuals: ResidualChoice | None = None
+
+    @functools.cached_property
+    def bind(self) -> Bind:
+        """The bind steps not switched off, composed into one :data:`Bind`."""
+        bind: Bind = _compat.bind
+        for name, step in self.bind_steps:
+            if name not in self.off:
+                bind = functools.partial(_through, step, bind)
+        return bind
+
+
+def _through(step: BindStep, inner: Bind, prim: Any, invals: Sequence, params: dict):
+    return step(prim, invals, params, inner)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -272,6 +308,7 @@ class RuleCall:
     params: dict
     original: list
     compute_dtype: np.dtype
+    binder: Bind = _compat.bind
 
     @property
     def name(self) -> str:
@@ -284,12 +321,8 @@ class RuleCall:
         return check_rule_result(result, self.prim, self.rule, len(vals))
 
     def bind(self, new_params: dict, *new_in: Any) -> Any:
-        """Bind the primitive (float32 sums of derived broadcasts, a product
-        the backend can run, overflow check)."""
-        outs = _derived_sums.bind(self.prim, new_in, new_params)
-        transposed = _facts.current_facts().transposed
-        outs = _compat.runnable_product(self.prim, new_in, new_params, outs, transposed)
-        return _overflow.poison(self.prim.name, new_in, outs)
+        """Bind the primitive through the pipeline's bind steps."""
+        return self.binder(self.prim, new_in, new_params)
 
     def apply(self, *vals: Any) -> Any:
         """Decide, then bind."""
@@ -302,13 +335,13 @@ def _apply_rule(eqn: Any, invals: list, ctx: AmpContext, scopes: tuple) -> Any:
     rule = ctx.policy.lookup(prim, scopes)
     params = _compat.bind_params(prim, eqn.params)
     original = [v.aval.dtype for v in eqn.invars]
-    if getattr(rule, "amp_impl", False):  # an implementation rule (e.g. FP8)
+    if isinstance(rule, ImplementationRule):  # runs the equation itself
         return rule(ctx.compute_dtype, original, *invals, **params)
-    call = RuleCall(prim, rule, params, original, ctx.compute_dtype)
-    if rule is ctx.policy.stop_rule:  # amp_stop regions stay as traced
-        return call.apply(*invals)
-    narrow = "narrow_activations" not in ctx.pipeline.off
-    return _residuals.bind_saving_less(call, invals, narrow)
+    pipeline = ctx.pipeline
+    call = RuleCall(prim, rule, params, original, ctx.compute_dtype, pipeline.bind)
+    if rule is ctx.policy.stop_rule or pipeline.residuals is None:
+        return call.apply(*invals)  # amp_stop regions stay as traced
+    return pipeline.residuals(call, invals, pipeline.off)
 
 
 def check_rule_result(result, prim, rule: Callable, n: int):

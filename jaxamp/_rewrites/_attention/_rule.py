@@ -4,40 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..._policy._rules import follow_compute_precision
-
-ATTENTION_KEY = "attention"
-IMPLEMENTATIONS = ("auto", "xla", "cudnn", "off")
-
-
-class AttentionRule:
-    """Value of the ``"attention"`` policy key (see :func:`attention_rule`).
-
-    Called as an ordinary rule (e.g. if also put under a primitive key) it acts
-    as :func:`jaxamp.follow_compute_precision`.
-    """
-
-    __slots__ = ("implementation",)
-
-    def __init__(self, implementation: str):
-        self.implementation = implementation
-
-    def __call__(self, compute_dtype, original_dtypes, *invars, **params):
-        return follow_compute_precision(
-            compute_dtype, original_dtypes, *invars, **params
-        )
-
-    def __repr__(self) -> str:
-        return f"attention_rule({self.implementation!r})"
-
-    def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, AttentionRule)
-            and other.implementation == self.implementation
-        )
-
-    def __hash__(self) -> int:
-        return hash((AttentionRule, self.implementation))
+from ..._policy._kinds import ATTENTION_KEY as ATTENTION_KEY
+from ..._policy._kinds import AttentionRule as AttentionRule
 
 
 def attention_rule(implementation: str = "auto") -> AttentionRule:
@@ -60,7 +28,7 @@ def attention_rule(implementation: str = "auto") -> AttentionRule:
             asked for ``"cudnn"``).
 
     Returns:
-        An :class:`AttentionRule` (a callable, so policies validate it).
+        An :class:`AttentionRule`, valid only under the key ``"attention"``.
 
     Raises:
         ValueError: for another ``implementation``.
@@ -70,28 +38,14 @@ def attention_rule(implementation: str = "auto") -> AttentionRule:
         >>> policy = {**jaxamp.default_amp_policy,
         ...           "attention": jaxamp.attention_rule("xla")}
     """
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"attention_rule(implementation={implementation!r}): expected one of "
-            f"{IMPLEMENTATIONS}."
-        )
     return AttentionRule(implementation)
-
-
-class _Key:
-    """Stands in for a primitive in ``AmpPolicy.lookup`` (looked up by name)."""
-
-    name = ATTENTION_KEY
-
-
-_KEY = _Key()
 
 
 def mode(ctx: Any, scopes: tuple[str, ...]) -> str | None:
     """The implementation the policy asks for here, or None: leave alone
     (``amp_stop``, or a scope rule that is not an attention rule)."""
     policy = ctx.policy
-    rule = policy.lookup(_KEY, scopes)
+    rule = policy.lookup(ATTENTION_KEY, scopes)
     if isinstance(rule, AttentionRule):
         return rule.implementation
     if rule is policy.default_rule:
