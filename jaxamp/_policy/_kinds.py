@@ -85,7 +85,7 @@ class CastRule:
 @dataclasses.dataclass(frozen=True, repr=False)
 class CarryRule(CastRule):
     """A :class:`CastRule` for the carries of a loop (the policy entry of a
-    loop primitive, e.g. ``"scan"``): called as
+    loop primitive, e.g. ``jax.lax.scan``): called as
     ``fn(compute_dtype, carry_dtypes, *carries)`` with the traced carry dtypes
     and the current carries, it returns ``(carries, params)``; the loop body
     is rewritten for the carry dtypes it chooses. Under any other key it acts
