@@ -44,6 +44,8 @@ from ._tools._measure import low_precision_flop_share as low_precision_flop_shar
 from ._tools._measure import matmul_flops_by_dtype as matmul_flops_by_dtype
 from ._tools._measure import primitive_dtypes as primitive_dtypes
 from ._tools._measure import saved_residual_bytes as saved_residual_bytes
+from ._tools._precision_report import PrecisionReport as PrecisionReport
+from ._tools._precision_report import precision_report as precision_report
 from ._tools._quant_report import MatmulRecord as MatmulRecord
 from ._tools._quant_report import eight_bit_flop_share as eight_bit_flop_share
 from ._tools._quant_report import quantization_report as quantization_report
@@ -97,6 +99,7 @@ __all__ = (
     "MatmulRecord",
     "Overflow",
     "Policy",
+    "PrecisionReport",
     "SemanticDType",
     "SkipNonFiniteState",
     "StaticScalerState",
@@ -147,6 +150,7 @@ __all__ = (
     "mixed_precision",
     "optimizer_update",
     "policy_compute_dtype",
+    "precision_report",
     "primitive_dtypes",
     "quantization_report",
     "quantize",
