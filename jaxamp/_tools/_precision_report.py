@@ -336,9 +336,10 @@ def precision_report(
         )
     cd = canonical_dtype(compute_dtype, argname="compute_dtype")
     scale = float(loss_scale or (2.0**15 if cd == np.float16 else 1.0))
-    sites, cts, g32, loss32 = _walk(loss_fn, args, kwargs, cd, amp_policy, has_aux)
     cache: dict = {}
-    reduced = [_format(st, cache)[1] if st.y32 else False for st in sites]
+    walk = _walk(loss_fn, args, kwargs, cd, amp_policy, has_aux, cache)
+    sites, cts, g32, loss32 = walk
+    reduced = [_format(st, cache)[1] for st in sites]
     back = backward_errors(
         [st for st, r in zip(sites, reduced) if r],
         [g for g, r in zip(cts, reduced) if r],
@@ -364,17 +365,21 @@ def precision_report(
         loss_fn, args, kwargs, cd, amp_policy, has_aux, scale, g32, loss32,
         amp_gradients,
     )
+    floats = eqx.filter(params, lambda x: is_float(x.dtype))
+    tree = jax.tree.structure(floats)
     return PrecisionReport(
         records=records,
         loss32=loss32,
         loss=lossa,
         grad_errors=group_errors(ga, g32, names),
         compute_dtype=cd.name,
+        grads=jax.tree.unflatten(tree, ga),
+        grads32=jax.tree.unflatten(tree, g32),
         runner=runner,
     )
 
 
-def _walk(fn, args, kwargs, cd, policy, has_aux):
+def _walk(fn, args, kwargs, cd, policy, has_aux, cache):
     """Trace ``fn``; the differential walk's sites, their float32
     cotangents, the float32 gradient (leaves of ``args[0]``'s float arrays)
     and the float32 loss."""
@@ -397,11 +402,43 @@ def _walk(fn, args, kwargs, cd, policy, has_aux):
     core, consts = _compat.jaxpr_parts(jax.make_jaxpr(flat)(*leaves))
     ctx = AmpContext(cd, AmpPolicy(policy), DEFAULT_PIPELINE)
     edge = ((0,) * len(core.outvars), None)
-    visitor = DiffVisitor()
-    pairs, cpairs = [(x, x) for x in leaves], [(c, c) for c in consts]
-    out = traverse(visitor, core, cpairs, pairs, ctx, edge)
-    cts, g32 = probe_cotangents(core, consts, leaves, wrt, ctx, edge)
-    return visitor.sites, cts, g32, float(out[0][0])
+    reduced = lambda site: _format(site, cache)[1]  # noqa: E731
+    sites, loss32 = _compiled_walk(core, consts, leaves, ctx, edge, reduced)
+    probe = jax.jit(lambda xs: probe_cotangents(core, consts, xs, wrt, ctx, edge))
+    cts, g32 = probe(leaves)
+    return sites, cts, g32, loss32
+
+
+_FIELDS = ("x32", "y32", "local", "amp")
+
+
+def _compiled_walk(core, consts, leaves, ctx, edge, reduced):
+    """The differential walk in one compiled function: the sites, their
+    values concrete (read back from its outputs), and the float32 loss."""
+    box: list = []
+
+    def run(xs):
+        visitor = DiffVisitor(reduced)
+        pairs, cpairs = [(x, x) for x in xs], [(c, c) for c in consts]
+        out = traverse(visitor, core, cpairs, pairs, ctx, edge)
+        box.append(visitor.sites)
+        vals = [out[0][0]]
+        for site in visitor.sites:
+            for field in _FIELDS:
+                vals.extend(v for v in getattr(site, field) if _traced(v))
+        return vals
+
+    vals = iter(jax.jit(run)(leaves))
+    loss32 = float(next(vals))
+    for site in box[0]:
+        for field in _FIELDS:
+            got = [next(vals) if _traced(v) else v for v in getattr(site, field)]
+            setattr(site, field, got)
+    return box[0], loss32
+
+
+def _traced(v: Any) -> bool:
+    return isinstance(v, jax.core.Tracer)
 
 
 @dataclasses.dataclass
@@ -415,6 +452,9 @@ class PrecisionReport:
         grad_errors: ``{"total": e, group: e, ...}``, amp's gradient relative
             L2 error against float32's, per parameter group.
         compute_dtype: amp's compute dtype name.
+        grads: amp's gradient w.r.t. ``args[0]``'s float arrays (its
+            structure, other leaves None).
+        grads32: float32's gradient, the same structure.
     """
 
     records: list
@@ -422,6 +462,8 @@ class PrecisionReport:
     loss: float
     grad_errors: dict
     compute_dtype: str
+    grads: Any = None
+    grads32: Any = None
     runner: Any = dataclasses.field(default=None, repr=False)
 
     @property

@@ -123,16 +123,18 @@ class _Visitor:
 class DiffVisitor(_Visitor):
     """Values are ``(float32, amp)`` pairs; records a :class:`Site` per leaf."""
 
-    def __init__(self):
+    def __init__(self, reduced: Callable[[Site], bool]):
         self.sites: list[Site] = []
+        self.reduced = reduced
 
     def leaf(self, eqn, facts, ctx, scopes, iteration, invals):
         x32 = [v[0] for v in invals]
         xa = [v[1] for v in invals]
         y32 = bind_eqn(eqn, x32)
         ya = amp_step(eqn, facts, ctx, xa)
-        local = amp_step(eqn, facts, ctx, x32)
-        site = Site(eqn, facts, ctx, scopes, iteration, x32, y32, local, ya)
+        site = Site(eqn, facts, ctx, scopes, iteration, x32, y32, y32, ya)
+        if self.reduced(site):  # else amp's step on x32 is float32's
+            site.local = amp_step(eqn, facts, ctx, x32)
         self.sites.append(site)
         return list(zip(y32, ya))
 
