@@ -337,16 +337,9 @@ def precision_report(
     cd = canonical_dtype(compute_dtype, argname="compute_dtype")
     scale = float(loss_scale or (2.0**15 if cd == np.float16 else 1.0))
     cache: dict = {}
-    walk = _walk(loss_fn, args, kwargs, cd, amp_policy, has_aux, cache)
-    sites, cts, g32, loss32 = walk
+    walk = _walk(loss_fn, args, kwargs, cd, amp_policy, has_aux, cache, scale)
+    sites, cts, g32, loss32, back_all = walk
     reduced = [_format(st, cache)[1] for st in sites]
-    back = backward_errors(
-        [st for st, r in zip(sites, reduced) if r],
-        [g for g, r in zip(cts, reduced) if r],
-        scale,
-    )
-    back_all = np.zeros(len(sites))
-    back_all[[k for k, r in enumerate(reduced) if r]] = back
     norm = sum(_sq(x) for x in g32) ** 0.5
     records = [
         _record(
@@ -379,7 +372,7 @@ def precision_report(
     )
 
 
-def _walk(fn, args, kwargs, cd, policy, has_aux, cache):
+def _walk(fn, args, kwargs, cd, policy, has_aux, cache, scale):
     """Trace ``fn``; the differential walk's sites, their float32
     cotangents, the float32 gradient (leaves of ``args[0]``'s float arrays)
     and the float32 loss."""
@@ -403,38 +396,44 @@ def _walk(fn, args, kwargs, cd, policy, has_aux, cache):
     ctx = AmpContext(cd, AmpPolicy(policy), DEFAULT_PIPELINE)
     edge = ((0,) * len(core.outvars), None)
     reduced = lambda site: _format(site, cache)[1]  # noqa: E731
-    sites, loss32 = _compiled_walk(core, consts, leaves, ctx, edge, reduced)
-    probe = jax.jit(lambda xs: probe_cotangents(core, consts, xs, wrt, ctx, edge))
-    cts, g32 = probe(leaves)
-    return sites, cts, g32, loss32
+    return _compiled_walk(core, consts, leaves, wrt, ctx, edge, reduced, scale)
 
 
 _FIELDS = ("x32", "y32", "local", "amp")
+# The analysis runs once: XLA:CPU's LLVM optimisations would cost more compile
+# time than they save (the rounding of each operation is XLA's, not LLVM's).
+_FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
-def _compiled_walk(core, consts, leaves, ctx, edge, reduced):
-    """The differential walk in one compiled function: the sites, their
-    values concrete (read back from its outputs), and the float32 loss."""
+def _compiled_walk(core, consts, leaves, wrt, ctx, edge, reduced, scale):
+    """One compiled function: the differential walk, the probe pass and every
+    reduced site's backward error. Returns the sites (their values concrete,
+    read back from its outputs), their cotangents, the float32 gradient, the
+    float32 loss and the backward errors."""
     box: list = []
+    index: dict = {}  # id of a traced value -> its position in the outputs
 
     def run(xs):
         visitor = DiffVisitor(reduced)
         pairs, cpairs = [(x, x) for x in xs], [(c, c) for c in consts]
         out = traverse(visitor, core, cpairs, pairs, ctx, edge)
-        box.append(visitor.sites)
-        vals = [out[0][0]]
-        for site in visitor.sites:
-            for field in _FIELDS:
-                vals.extend(v for v in getattr(site, field) if _traced(v))
-        return vals
+        cts, g32 = probe_cotangents(core, consts, xs, wrt, ctx, edge)
+        sites = visitor.sites
+        box.append(sites)
+        back = backward_errors(sites, cts, [reduced(st) for st in sites], scale)
+        vals = [v for st in sites for f in _FIELDS for v in getattr(st, f)]
+        traced = list({id(v): v for v in vals if _traced(v)}.values())
+        index.update((id(v), k) for k, v in enumerate(traced))
+        return [out[0][0], back, cts, g32, traced]
 
-    vals = iter(jax.jit(run)(leaves))
-    loss32 = float(next(vals))
+    compiled = jax.jit(run).lower(leaves).compile(_FAST_COMPILE)
+    loss32, back, cts, g32, vals = compiled(leaves)
     for site in box[0]:
         for field in _FIELDS:
-            got = [next(vals) if _traced(v) else v for v in getattr(site, field)]
+            got = [vals[index[id(v)]] if _traced(v) else v for v in getattr(site, field)]
             setattr(site, field, got)
-    return box[0], loss32
+    back = np.asarray(back, np.float64)
+    return box[0], cts, g32, float(loss32), back
 
 
 def _traced(v: Any) -> bool:

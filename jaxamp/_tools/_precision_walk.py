@@ -319,22 +319,15 @@ def vjp_error(site: Site, prim: list, g: list, scale: float) -> jax.Array:
     return jnp.sqrt(err)
 
 
-def backward_errors(sites: list[Site], cts: list, scale: float) -> np.ndarray:
-    """:func:`vjp_error` of each site (0 for a site without float inputs or
-    outputs), all in one compiled function."""
-    chosen = [
-        k for k, s in enumerate(sites) if _float_inputs(s) and _float_outs(s.y32)
+def backward_errors(
+    sites: list[Site], cts: list, chosen: list[bool], scale: float
+) -> jax.Array:
+    """:func:`vjp_error` of each site where ``chosen`` (0 elsewhere, and for
+    a site without float inputs or outputs), a float32 vector."""
+    out = [
+        vjp_error(st, [st.x32[i] for i in _float_inputs(st)], g, scale)
+        if c and _float_inputs(st) and _float_outs(st.y32)
+        else jnp.float32(0)
+        for st, g, c in zip(sites, cts, chosen)
     ]
-    out = np.zeros(len(sites), np.float64)
-    if not chosen:
-        return out
-
-    def errors(prims, gs):
-        return jnp.stack(
-            [vjp_error(sites[k], p, g, scale) for k, p, g in zip(chosen, prims, gs)]
-        )
-
-    prims = [[sites[k].x32[i] for i in _float_inputs(sites[k])] for k in chosen]
-    gs = [cts[k] for k in chosen]
-    out[chosen] = np.asarray(jax.jit(errors)(prims, gs), np.float64)
-    return out
+    return jnp.stack(out) if out else jnp.zeros((0,), jnp.float32)
