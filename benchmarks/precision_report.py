@@ -10,8 +10,8 @@ GPT, layers in ``lax.scan``, named scopes ``attn`` / ``mlp`` / ``head``) under
 bf16 (the default policy) and int8 (``int8_policy(size_rule=None)``). Each
 row runs in a fresh process (JAX started by one tiny jitted call first): the
 step's first call in seconds, then the report's time in seconds, their ratio,
-the report's top scope and its gradient error. Other processes may share the CPU: compare
-the ratio, not absolute times.
+the report's top scope and its gradient error. Other processes may share
+the CPU: compare the ratio, not absolute times.
 """
 
 from __future__ import annotations
@@ -84,8 +84,10 @@ def main(argv=None) -> int:
         print(json.dumps(row(a.row[0], a.row[1], POLICIES[a.row[1]]())))
         return 0
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
-    print("| size | policy | step first call (s) | report (s) | ratio | top scope "
-          "| grad error |")
+    print(
+        "| size | policy | step first call (s) | report (s) | ratio | top scope "
+        "| grad error |"
+    )
     print("|---|---|---|---|---|---|---|")
     for size in a.size or ["tiny", "S"]:
         for name in POLICIES:

@@ -182,7 +182,9 @@ def test_int8_keeps_the_loss_feeding_matmul_in_the_compute_dtype():
             compute_dtype=BF16,
             amp_policy=jaxamp.int8_policy(size_rule=None, **kw),
         )
-        return [r for r in jaxamp.quantization_report(f, params, x, y) if r.shape[0] == 1]
+        return [
+            r for r in jaxamp.quantization_report(f, params, x, y) if r.shape[0] == 1
+        ]
 
     default, last = recs(), recs(quantize_last_matmul=True)
     head = [r for r in default if r.shape[3] == 256]
@@ -231,14 +233,20 @@ def test_scan_remat_text_json_and_png(tmp_path):
     scopes = {r.scope for r in report.records}
     assert {"block/attn", "block/mlp", "head"} <= scopes
     assert {r.iteration for r in report.records if r.scope == "block/mlp"} == {
-        (0,), (1,), (2,)
+        (0,),
+        (1,),
+        (2,),
     }
     # bf16 rounding: local errors of the matmuls near bf16's unit roundoff.
     dots = [r for r in report.records if r.primitive == "dot_general"]
     assert all(r.format == "bfloat16" for r in dots)
     assert all(1e-4 < r.local_error < 2e-2 for r in dots)
-    assert set(report.grad_errors) == {"total", "emb", "head", *(
-        f"layers/{k}" for k in ("qkv", "o", "up", "down"))}
+    assert set(report.grad_errors) == {
+        "total",
+        "emb",
+        "head",
+        *(f"layers/{k}" for k in ("qkv", "o", "up", "down")),
+    }
     assert 1e-4 < report.grad_error < 5e-2
     text = str(report)
     assert "block/mlp" in text and "gradient error" in text
@@ -266,8 +274,12 @@ def test_float16_loss_scaling_counts_underflow_and_overflow():
 
     x = jnp.full((2, 4), 70.0)
     report = jaxamp.precision_report(loss, w, x, compute_dtype=jnp.float16)
-    big = [r for r in report.records if r.scope == "big" and r.primitive == "dot_general"]
-    small = [r for r in report.records if r.scope == "small" and r.primitive == "dot_general"]
+    big = [
+        r for r in report.records if r.scope == "big" and r.primitive == "dot_general"
+    ]
+    small = [
+        r for r in report.records if r.scope == "small" and r.primitive == "dot_general"
+    ]
     assert big[0].overflow == 1.0 and big[0].peak == pytest.approx(4 * 70 * 256)
     assert big[0].format_max == 65504.0
     assert small[0].underflow == 1.0
@@ -287,8 +299,9 @@ def test_shard_map_equinox_and_nnx_models():
             with jax.named_scope("dp"):
                 return jax.lax.pmean(jnp.mean(jnp.tanh(x @ w) ** 2), "batch")
 
-        return jax.shard_map(local, mesh=mesh, in_specs=(P(), P("batch")),
-                             out_specs=P())(w, x)
+        return jax.shard_map(
+            local, mesh=mesh, in_specs=(P(), P("batch")), out_specs=P()
+        )(w, x)
 
     x = round_bf16(jax.random.normal(jax.random.key(1), (4, 8)) * 3)
     report = jaxamp.precision_report(dp_loss, w, x)

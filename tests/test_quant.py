@@ -125,7 +125,10 @@ def int8_casts(closed):
 
 @functools.lru_cache
 def grad_jaxpr_for(wgrad, checkpoint=True):
-    return grad_jaxpr(jaxamp.int8_policy(quantize_last_matmul=True, size_rule=RULE, wgrad=wgrad), checkpoint)
+    return grad_jaxpr(
+        jaxamp.int8_policy(quantize_last_matmul=True, size_rule=RULE, wgrad=wgrad),
+        checkpoint,
+    )
 
 
 def grad_jaxpr(policy, checkpoint=True):
@@ -144,7 +147,9 @@ NOISE = jax.jit(rounding_noise)
 def gpt_int8_grad():
     """The jitted int8 gradient of the GPT (a fixed key: reproducible noise),
     compiled once for the tests that run it."""
-    pol = jaxamp.int8_policy(quantize_last_matmul=True, size_rule=RULE, key=jax.random.key(7))
+    pol = jaxamp.int8_policy(
+        quantize_last_matmul=True, size_rule=RULE, key=jax.random.key(7)
+    )
     return jax.jit(jax.grad(jaxamp.amp(gpt, compute_dtype=BF16, amp_policy=pol)))
 
 
@@ -175,7 +180,11 @@ def test_default_size_rule_skips_the_small_gpt():
     table = dots(grad_jaxpr(jaxamp.int8_policy(quantize_last_matmul=True)))
     assert all(d[:2] == (BF16, BF16) for d in table)
     report = jaxamp.quantization_report(
-        jaxamp.amp(gpt, compute_dtype=BF16, amp_policy=jaxamp.int8_policy(quantize_last_matmul=True)),
+        jaxamp.amp(
+            gpt,
+            compute_dtype=BF16,
+            amp_policy=jaxamp.int8_policy(quantize_last_matmul=True),
+        ),
         PARAMS,
         TOKENS,
     )
@@ -185,7 +194,9 @@ def test_default_size_rule_skips_the_small_gpt():
 
 def test_report_names_scopes_shapes_and_formats():
     f = jaxamp.amp(
-        gpt, compute_dtype=BF16, amp_policy=jaxamp.int8_policy(quantize_last_matmul=True, size_rule=RULE)
+        gpt,
+        compute_dtype=BF16,
+        amp_policy=jaxamp.int8_policy(quantize_last_matmul=True, size_rule=RULE),
     )
     report = jaxamp.quantization_report(f, PARAMS, TOKENS)
     got = {(r.scope, r.shape[1:], r.format, r.reason) for r in report}
@@ -219,7 +230,9 @@ def test_gradient_report_gives_each_reason_and_the_users_line():
             return jnp.mean(up(o.reshape(b, t, d), w["up"]) ** 2)
 
     amp8 = jaxamp.amp(
-        loss, compute_dtype=BF16, amp_policy=jaxamp.int8_policy(quantize_last_matmul=True, size_rule=None)
+        loss,
+        compute_dtype=BF16,
+        amp_policy=jaxamp.int8_policy(quantize_last_matmul=True, size_rule=None),
     )
     report = jaxamp.quantization_report(jax.grad(amp8), w, x)
     reasons = {(r.scope, r.format, r.reason) for r in report}
@@ -336,7 +349,9 @@ def test_a_traced_key_cannot_enter_a_checkpoint():
     f = lambda w, x: jnp.mean(jax.checkpoint(lambda w, x: x @ w)(w, x))
 
     def step(w, x, key):  # the policy built inside a traced step
-        pol = jaxamp.int8_policy(quantize_last_matmul=True, size_rule=None, key=jax.random.fold_in(key, 1))
+        pol = jaxamp.int8_policy(
+            quantize_last_matmul=True, size_rule=None, key=jax.random.fold_in(key, 1)
+        )
         return jaxamp.amp(f, compute_dtype=BF16, amp_policy=pol)(w, x)
 
     with pytest.raises(ValueError, match="checkpoint"):
@@ -345,7 +360,9 @@ def test_a_traced_key_cannot_enter_a_checkpoint():
     g = lambda w, x, key: jaxamp.amp(
         lambda w, x: jnp.mean(x @ w),
         compute_dtype=BF16,
-        amp_policy=jaxamp.int8_policy(quantize_last_matmul=True, size_rule=None, key=key),
+        amp_policy=jaxamp.int8_policy(
+            quantize_last_matmul=True, size_rule=None, key=key
+        ),
     )(w, x)
     assert dots(jax.make_jaxpr(g)(w, x, jax.random.key(0)))[0][:2] == (I8, I8)
 

@@ -310,7 +310,8 @@ def fp8_policy(
 
 fp8_amp_policy: dict[Any, Any] = fp8_policy()
 """The default policy with every float ``dot_general`` that passes torchao's
-tensorwise size rule in FP8, but the one feeding the loss (use a ``jnp.bfloat16`` compute dtype);
+tensorwise size rule in FP8, but the one feeding the loss (use a
+``jnp.bfloat16`` compute dtype);
 :func:`fp8_policy` builds per-scope and tuned variants. Equivalent nested forms:
 ``{**default_amp_policy, "mlp": fp8_amp_policy}`` (FP8 only inside ``mlp``
 scopes), ``{**fp8_amp_policy, "head": default_amp_policy}`` (all but the

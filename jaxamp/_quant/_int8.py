@@ -546,4 +546,5 @@ int8_amp_policy: dict[Any, Any] = int8_policy()
 """The default policy with int8 training for every float ``dot_general``
 that passes torchao's rowwise size rule, but the one feeding the loss: forward
 and dgrad int8 x int8 -> int32 with rowwise scales, stochastic rounding of the
-gradient, wgrad in the compute dtype (use ``jnp.bfloat16``); :func:`int8_policy` builds variants."""
+gradient, wgrad in the compute dtype (use ``jnp.bfloat16``); :func:`int8_policy`
+builds variants."""

@@ -44,8 +44,16 @@ def scope_table(report: Any) -> dict[str, dict[str, Any]]:
     for r in report.records:
         row = out.setdefault(
             r.scope,
-            {"grad": 0.0, "loss": 0.0, "local": 0.0, "prop": 0.0, "over": 0.0,
-             "under": 0.0, "formats": set(), "source": r.source},
+            {
+                "grad": 0.0,
+                "loss": 0.0,
+                "local": 0.0,
+                "prop": 0.0,
+                "over": 0.0,
+                "under": 0.0,
+                "formats": set(),
+                "source": r.source,
+            },
         )
         row["grad"] += r.grad_share**2
         row["loss"] += r.loss_share
@@ -86,8 +94,10 @@ def text(report: Any) -> str:
 
 def _heat(report: Any) -> tuple[list[str], list[list[float]]]:
     cells: dict[str, dict[str, float]] = {}
-    for r in report.records:
-        row = cells.setdefault(r.scope or "(no scope)", dict.fromkeys(GROUPS, 0.0))
+    for r in report.records:  # one row per scope and scan iteration (layer)
+        it = f" [{','.join(map(str, r.iteration))}]" if r.iteration else ""
+        name = (r.scope or "(no scope)") + it
+        row = cells.setdefault(name, dict.fromkeys(GROUPS, 0.0))
         row[r.group] = row.get(r.group, 0.0) + r.grad_share**2
     rows = sorted(cells)
     return rows, [[cells[s][g] ** 0.5 for g in GROUPS] for s in rows]
@@ -117,18 +127,20 @@ def save(report: Any, directory: str) -> tuple[str, str]:
     rows, heat = _heat(report)
     ranking = list(report.scopes("grad").items())[:12][::-1]
     fig, (ax0, ax1) = plt.subplots(
-        1, 2, figsize=(12, max(3.0, 0.35 * len(rows) + 1.5)),
+        1,
+        2,
+        figsize=(12, max(3.0, 0.35 * len(rows) + 1.5)),
         gridspec_kw={"width_ratios": [3, 2]},
     )
     im = ax0.imshow(heat, aspect="auto", cmap="magma_r")
     ax0.set_xticks(range(len(GROUPS)), GROUPS, rotation=30, ha="right")
     ax0.set_yticks(range(len(rows)), rows)
-    ax0.set_title("gradient-error share per scope and op group")
+    ax0.set_title("gradient-error share per scope [scan iteration] and op group")
     fig.colorbar(im, ax=ax0, fraction=0.04)
     ax1.barh([k or "(no scope)" for k, _ in ranking], [v for _, v in ranking])
-    ax1.set_xscale("log")
+    ax1.ticklabel_format(axis="x", style="sci", scilimits=(0, 0))
     ax1.set_title(
-        f"ranking ({report.compute_dtype}; grad error {report.grad_error:.2e})"
+        f"scopes by gradient-error share (total error {report.grad_error:.2e})"
     )
     fig.tight_layout()
     ppath = os.path.join(directory, "precision_report.png")

@@ -51,8 +51,20 @@ from ._precision_walk import (
     traverse,
 )
 
-_TRANSCENDENTAL = {"exp", "exp2", "log", "log1p", "logistic", "tanh", "rsqrt",
-                   "sqrt", "erf", "erf_inv", "pow", "expm1"}
+_TRANSCENDENTAL = {
+    "exp",
+    "exp2",
+    "log",
+    "log1p",
+    "logistic",
+    "tanh",
+    "rsqrt",
+    "sqrt",
+    "erf",
+    "erf_inv",
+    "pow",
+    "expm1",
+}
 
 
 def op_group(name: str) -> str:
@@ -73,7 +85,9 @@ def scope_path(scopes: tuple) -> str:
     own = [
         s
         for s in scopes
-        if not s.startswith(("jax", "amp_")) and s != "rematted_computation"
+        if not s.startswith(("jax", "amp_"))
+        and s != "rematted_computation"
+        and "->" not in s  # jnp.einsum's scope (its subscripts), not the user's
     ]
     return "/".join(s for i, s in enumerate(own) if i == 0 or s != own[i - 1])
 
@@ -195,8 +209,12 @@ def _site_stats(site: Site, g: list, reduced: bool) -> list[float]:
         return [0.0, prop, 0.0, 0.0, _fractions(want, want)[2], 0.0]
     loss_share = abs(
         sum(
-            float(np.vdot(np.asarray(gi, np.float64),
-                          np.asarray(lo, np.float64) - np.asarray(w, np.float64)))
+            float(
+                np.vdot(
+                    np.asarray(gi, np.float64),
+                    np.asarray(lo, np.float64) - np.asarray(w, np.float64),
+                )
+            )
             for gi, lo, w in zip(g, local, want)
         )
     )
@@ -239,8 +257,9 @@ def _leaf_paths(tree: Any, depth: int) -> list[str]:
     """Per array leaf of ``tree``, its group: the first ``depth`` keys of its
     pytree path joined by ``/`` (``"layers/qkv"``)."""
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return ["/".join(_key_name(k) for k in path[:depth]) or "params"
-            for path, _ in flat]
+    return [
+        "/".join(_key_name(k) for k in path[:depth]) or "params" for path, _ in flat
+    ]
 
 
 def _key_name(k: Any) -> str:
@@ -262,8 +281,13 @@ def group_errors(got: list, want: list, names: list[str]) -> dict[str, float]:
 
 
 def amp_gradients(
-    fn: Callable, args: tuple, kwargs: dict, compute_dtype: Any, policy: Any,
-    has_aux: bool, scale: float,
+    fn: Callable,
+    args: tuple,
+    kwargs: dict,
+    compute_dtype: Any,
+    policy: Any,
+    has_aux: bool,
+    scale: float,
 ) -> tuple[float, list]:
     """``(loss, gradient leaves w.r.t. args[0]'s float arrays)`` of one amp
     step under ``policy``, jitted; the loss multiplied by ``scale`` before
@@ -342,33 +366,39 @@ def precision_report(
     reduced = [_format(st, cache)[1] for st in sites]
     norm = sum(_sq(x) for x in g32) ** 0.5
     records = [
-        _record(
-            _site_meta(st, cache), [*_site_stats(st, g, r), bk], norm
-        )
+        _record(_site_meta(st, cache), [*_site_stats(st, g, r), bk], norm)
         for st, g, r, bk in zip(sites, cts, reduced, back_all)
     ]
-    lossa, ga = amp_gradients(loss_fn, args, kwargs, cd, amp_policy, has_aux, scale)
-    params = eqx.filter(args[0], eqx.is_array)
+    runner = _precision_suggest.Runner(
+        loss_fn, args, kwargs, cd, amp_policy, has_aux, scale, g32, loss32,
+        amp_gradients,
+    )  # fmt: skip
+    return _assemble(runner, records, group_depth)
+
+
+def _assemble(runner: Any, records: list, group_depth: int) -> PrecisionReport:
+    """The report: amp's measured gradient (one jitted step) against float32's
+    per parameter group, the records, the runner for ``suggest``."""
+    r = runner
+    lossa, ga = amp_gradients(
+        r.fn, r.args, r.kwargs, r.compute_dtype, r.policy, r.has_aux, r.scale
+    )
+    params = eqx.filter(r.args[0], eqx.is_array)
     names = [
         n
         for n, x in zip(_leaf_paths(params, group_depth), jax.tree.leaves(params))
         if is_float(x.dtype)
     ]
-    runner = _precision_suggest.Runner(
-        loss_fn, args, kwargs, cd, amp_policy, has_aux, scale, g32, loss32,
-        amp_gradients,
-    )
-    floats = eqx.filter(params, lambda x: is_float(x.dtype))
-    tree = jax.tree.structure(floats)
+    tree = jax.tree.structure(eqx.filter(params, lambda x: is_float(x.dtype)))
     return PrecisionReport(
         records=records,
-        loss32=loss32,
+        loss32=r.loss32,
         loss=lossa,
-        grad_errors=group_errors(ga, g32, names),
-        compute_dtype=cd.name,
+        grad_errors=group_errors(ga, r.g32, names),
+        compute_dtype=np.dtype(r.compute_dtype).name,
         grads=jax.tree.unflatten(tree, ga),
-        grads32=jax.tree.unflatten(tree, g32),
-        runner=runner,
+        grads32=jax.tree.unflatten(tree, r.g32),
+        runner=r,
     )
 
 
@@ -430,7 +460,9 @@ def _compiled_walk(core, consts, leaves, wrt, ctx, edge, reduced, scale):
     loss32, back, cts, g32, vals = compiled(leaves)
     for site in box[0]:
         for field in _FIELDS:
-            got = [vals[index[id(v)]] if _traced(v) else v for v in getattr(site, field)]
+            got = [
+                vals[index[id(v)]] if _traced(v) else v for v in getattr(site, field)
+            ]
             setattr(site, field, got)
     back = np.asarray(back, np.float64)
     return box[0], cts, g32, float(loss32), back
@@ -496,8 +528,12 @@ class PrecisionReport:
         (``by="grad"``) or loss (``by="loss"``) error, largest first."""
         return list(self.scopes(by))[:k]
 
-    def suggest(self, grad_error: float | None = None,
-                loss_error: float | None = None, max_overrides: int = 8):
+    def suggest(
+        self,
+        grad_error: float | None = None,
+        loss_error: float | None = None,
+        max_overrides: int = 8,
+    ):
         """The smallest set of scope overrides meeting the targets, chosen
         greedily by :meth:`top` and verified by re-running amp; see
         :func:`jaxamp._tools._precision_suggest.suggest`."""

@@ -11,7 +11,6 @@ from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -42,8 +41,13 @@ class Runner:
         """``(gradient relative L2 error, loss relative error)`` of amp under
         ``policy`` against float32."""
         loss, got = self.gradients(
-            self.fn, self.args, self.kwargs, self.compute_dtype, policy,
-            self.has_aux, self.scale,
+            self.fn,
+            self.args,
+            self.kwargs,
+            self.compute_dtype,
+            policy,
+            self.has_aux,
+            self.scale,
         )
         want = self.g32
         sq = lambda x: float(jnp.sum(jnp.square(jnp.asarray(x, jnp.float32))))  # noqa: E731
@@ -66,11 +70,14 @@ class Runner:
         total = sum(flops.values()) or 1.0
 
         def share(width: int) -> float:
-            return sum(
-                f
-                for k, f in flops.items()
-                if all(np.dtype(p).itemsize <= width for p in k.split(" x "))
-            ) / total
+            return (
+                sum(
+                    f
+                    for k, f in flops.items()
+                    if all(np.dtype(p).itemsize <= width for p in k.split(" x "))
+                )
+                / total
+            )
 
         return share(1), share(2)
 
@@ -160,8 +167,11 @@ def suggest(
     # Equations outside every named scope cannot be targeted by a scope key.
     shares = {k: v for k, v in report.scopes(by).items() if v > 0 and k}
     paths = sorted({r.scope for r in report.records})
-    ok = lambda g, lo: (grad_error is None or g <= grad_error) and (  # noqa: E731
-        loss_error is None or lo <= loss_error
+    ok = lambda g, lo: (
+        (grad_error is None or g <= grad_error)
+        and (  # noqa: E731
+            loss_error is None or lo <= loss_error
+        )
     )
     n = _predicted(report, shares, grad_error, loss_error, max_overrides)
     base_policy = dict(run.policy)

@@ -214,8 +214,7 @@ def traverse(
             outs = visitor.leaf(eqn, f, ctx, scopes, iteration, invals)
         env.update(zip(eqn.outvars, outs))
     return [
-        read(env, v) if is_var(v) else visitor.lift(read(env, v))
-        for v in jaxpr.outvars
+        read(env, v) if is_var(v) else visitor.lift(read(env, v)) for v in jaxpr.outvars
     ]
 
 
@@ -236,9 +235,7 @@ def _scan(visitor, eqn, f, invals, ctx, iteration) -> list:
         ys.append(y)
     if reverse:
         ys.reverse()
-    carry = [
-        visitor.restore(c, v.aval) for c, v in zip(carry, eqn.outvars[:n_carry])
-    ]
+    carry = [visitor.restore(c, v.aval) for c, v in zip(carry, eqn.outvars[:n_carry])]
     n_ys = len(eqn.outvars) - n_carry
     stacked = [visitor.stack([y[k] for y in ys]) for k in range(n_ys)]
     return carry + stacked
