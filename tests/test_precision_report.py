@@ -166,7 +166,7 @@ def test_scanned_int8_gpt_names_the_head_as_the_breakdown_found():
     np.testing.assert_allclose(report.grad_errors["head"], theirs["head"], rtol=2e-2)
 
 
-def test_int8_keeps_the_loss_feeding_matmul_in_the_compute_dtype():
+def test_int8_keeps_the_loss_feeding_matmul_in_the_compute_dtype(tmp_path):
     # The main job's model: every product in int8 but the head (tied embedding,
     # no named scope), which the value facts see feeding the loss.
     sys.path.insert(0, str(ROOT / "examples"))
@@ -209,6 +209,20 @@ def test_int8_keeps_the_loss_feeding_matmul_in_the_compute_dtype():
     )
     fmts = [r.format for r in jaxamp.quantization_report(fp8, params, x, y)]
     assert "bfloat16" in fmts and "fp8" in fmts
+    # The main job's --report: the report of its model in int8, JSON and PNG.
+    cfg.report_dir = str(tmp_path)
+    got = charlm.precision_report("int8", cfg, params, x, y)
+    assert got["dir"] == str(tmp_path / "precision_int8")
+    saved = json.loads(
+        (tmp_path / "precision_int8" / "precision_report.json").read_text()
+    )
+    heads = [r for r in saved["records"] if r["scope"] == "head"]
+    assert {r["format"] for r in heads if r["primitive"] == "dot_general"} == {
+        "bfloat16"
+    }
+    assert {"attn", "mlp", "head"} <= set(got["top"])
+    assert (tmp_path / "precision_int8" / "precision_report.png").stat().st_size > 1000
+    assert charlm.precision_report("fp32", cfg, params, x, y) is None
 
 
 def test_scan_remat_text_json_and_png(tmp_path):
