@@ -345,3 +345,32 @@ def test_bad_input_raises():
         jaxamp.precision_report(lambda w: w * 2, jnp.ones(2))
     with pytest.raises(ValueError, match="group_depth"):
         jaxamp.precision_report(lambda w: w.sum(), jnp.ones(2), group_depth=0)
+
+
+def test_custom_vjp_primal_body_is_walked():
+    @jax.custom_vjp
+    def f(x, w):
+        return jnp.tanh(x @ w)
+
+    def fwd(x, w):
+        y = f(x, w)
+        return y, (x, w, y)
+
+    def bwd(res, g):
+        x, w, y = res
+        d = g * (1 - y * y)
+        return d @ w.T, x.T @ d
+
+    f.defvjp(fwd, bwd)
+
+    def loss(w, x):
+        with jax.named_scope("cv"):
+            return jnp.mean(f(x, w) @ w)
+
+    w = round_bf16(jax.random.normal(jax.random.key(0), (8, 8)))
+    x = round_bf16(jax.random.normal(jax.random.key(1), (4, 8)) * 30)
+    report = jaxamp.precision_report(loss, w, x)
+    prims = [(r.primitive, r.scope, r.format) for r in report.records]
+    assert prims[:2] == [("dot_general", "cv", "bfloat16"), ("tanh", "cv", "float32")]
+    assert report.top(1) == ["cv"]
+    assert 1e-4 < report.grad_error < 5e-2
