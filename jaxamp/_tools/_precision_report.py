@@ -469,7 +469,7 @@ def _compiled_walk(core, consts, leaves, wrt, ctx, edge, reduced, scale):
 
 
 def _traced(v: Any) -> bool:
-    return isinstance(v, jax.core.Tracer)
+    return _compat.is_tracer(v)
 
 
 @dataclasses.dataclass
