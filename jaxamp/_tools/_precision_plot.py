@@ -139,9 +139,7 @@ def save(report: Any, directory: str) -> tuple[str, str]:
     fig.colorbar(im, ax=ax0, fraction=0.04)
     ax1.barh([k or "(no scope)" for k, _ in ranking], [v for _, v in ranking])
     ax1.ticklabel_format(axis="x", style="sci", scilimits=(0, 0))
-    ax1.set_title(
-        f"ranking (gradient error {report.grad_error:.2e})"
-    )
+    ax1.set_title(f"ranking (gradient error {report.grad_error:.2e})")
     fig.tight_layout()
     ppath = os.path.join(directory, "precision_report.png")
     fig.savefig(ppath, dpi=110)
