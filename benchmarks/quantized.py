@@ -386,8 +386,12 @@ def breakdown_variants():
     """Rows ``(name, jaxamp policies, hand policies)``: each a list (one
     policy per stochastic-rounding draw where there are several), empty where
     that side has no such variant."""
-    i8 = lambda **kw: jaxamp.int8_policy(size_rule=None, **kw)
-    f8 = lambda **kw: jaxamp.fp8_policy(size_rule=None, **kw)
+    # The head quantized too, as the hand recipes do (quantize_last_matmul=True);
+    # the policies' defaults keep it in bf16 (the "default" rows).
+    i8 = lambda **kw: jaxamp.int8_policy(
+        size_rule=None, quantize_last_matmul=True, **kw
+    )
+    f8 = lambda **kw: jaxamp.fp8_policy(size_rule=None, quantize_last_matmul=True, **kw)
     h8 = lambda **kw: hand_policy(hand_int8, **kw)
     hf8 = lambda **kw: hand_policy(hand_fp8, **kw)
     keys = (None, jax.random.key(1), jax.random.key(2))
@@ -408,11 +412,21 @@ def breakdown_variants():
         ("int8, tensorwise", [i8(granularity="tensorwise")], [h8(rowwise=False)]),
         ("int8, wgrad int8 too", [i8(wgrad=True)], []),
         ("int8, head in bf16", [i8(exclude_scopes=("head",))], []),
+        (
+            "int8 default (head kept by the value facts)",
+            [jaxamp.int8_policy(size_rule=None)],
+            [],
+        ),
         ("int8, only the head", [i8(scopes=("head",))], []),
         ("int8, only attn (qkv, o)", [i8(scopes=("attn",))], []),
         ("int8, only mlp", [i8(scopes=("mlp",))], []),
         ("fp8: E4M3 fwd, E5M2 grads", [f8()], [hf8()]),
         ("fp8, head in bf16", [f8(exclude_scopes=("head",))], []),
+        (
+            "fp8 default (head kept by the value facts)",
+            [jaxamp.fp8_policy(size_rule=None)],
+            [],
+        ),
         ("fp8, forward only (bf16 backward)", [], [hf8(backward=False)]),
         ("fp8, E4M3 gradients", [], [hf8(grad_dtype=E4M3)]),
     ]

@@ -72,6 +72,11 @@ class Config:
         data_dir: folder of ``*.py`` files; None: the running interpreter's
             standard library.
         out: folder for ``charlm_results.json`` and ``charlm_loss.png``.
+        report: after training each amp mode, write ``jaxamp.precision_report``'s
+            JSON and PNG for the trained model on one training batch (where
+            the mode loses accuracy against float32, per named scope).
+        report_dir: folder for the reports (one subfolder per mode); None:
+            ``examples/results``.
     """
 
     mode: str = "all"
@@ -89,6 +94,8 @@ class Config:
     sample_chars: int = 300
     data_dir: str | None = None
     out: str = "out"
+    report: bool = False
+    report_dir: str | None = None
 
 
 # ---------------------------------------------------------------------------
@@ -264,7 +271,8 @@ def forward(params: dict, tokens: jax.Array, heads: int) -> jax.Array:
         return x, None
 
     x, _ = jax.lax.scan(block, x, params["layers"])
-    return layer_norm(x, params["ln_f"]) @ params["tok"].T
+    with jax.named_scope("head"):
+        return layer_norm(x, params["ln_f"]) @ params["tok"].T
 
 
 def loss_fn(params: dict, x: jax.Array, y: jax.Array, heads: int) -> jax.Array:
@@ -439,6 +447,7 @@ def train(
     )
     x0, y0 = next(batches(train_data, cfg.batch_size, cfg.seq_len, cfg.seed + 2))
     grad_jaxpr = jax.make_jaxpr(jax.grad(loss))(params, x0, y0)
+    precision = precision_report(mode, cfg, params, x0, y0) if cfg.report else None
     return {
         "mode": mode,
         "steps": cfg.steps,
@@ -458,7 +467,40 @@ def train(
         "eight_bit_flop_share": jaxamp.eight_bit_flop_share(grad_jaxpr),
         "residual_bytes": jaxamp.saved_residual_bytes(loss, params, x0, y0),
         "sample": sample(loss_forward(mode, cfg), params, val_data, cfg),
+        "precision_report": precision,
         "wall_s": time.perf_counter() - t_start,
+    }
+
+
+def precision_report(mode: str, cfg: Config, params: dict, x, y) -> dict | None:
+    """Write ``jaxamp.precision_report``'s JSON and PNG for ``mode`` (an amp
+    mode) at ``params`` on one batch ``(x, y)`` into
+    ``cfg.report_dir/precision_MODE``.
+
+    Returns:
+        ``{"dir", "grad_error", "loss_error", "top"}``, or None for fp32.
+    """
+    spec = MODES[mode]
+    if spec["compute"] is None:
+        return None
+    kw = {"amp_policy": spec["policy"]()} if "policy" in spec else {}
+    report = jaxamp.precision_report(
+        lambda p, x, y: loss_fn(p, x, y, cfg.heads),
+        params,
+        x,
+        y,
+        compute_dtype=spec["compute"],
+        group_depth=2,
+        **kw,
+    )
+    base = Path(cfg.report_dir or Path(__file__).resolve().parent / "results")
+    report.save(str(base / f"precision_{mode}"))
+    return {
+        "dir": str(base / f"precision_{mode}"),
+        "grad_error": report.grad_error,
+        "grad_errors": report.grad_errors,
+        "loss_error": report.loss_error,
+        "top": report.top(5),
     }
 
 
@@ -680,7 +722,10 @@ def main(argv: list[str] | None = None) -> int:
         if f.name == "mode":
             continue
         flag = "--" + f.name.replace("_", "-")
-        typ = str if f.name in ("data_dir", "out") else type(f.default)
+        if isinstance(f.default, bool):
+            p.add_argument(flag, action="store_true", help=helps[f.name])
+            continue
+        typ = str if f.name in ("data_dir", "out", "report_dir") else type(f.default)
         p.add_argument(flag, type=typ, default=f.default, help=helps[f.name])
     cfg = Config(**vars(p.parse_args(argv)))
     for name in ("steps", "batch_size", "seq_len", "d_model", "layers", "heads"):
@@ -700,6 +745,12 @@ def main(argv: list[str] | None = None) -> int:
     print(report["table"])
     for r in report["results"]:
         print(f"\n--- sample ({r['mode']}) ---\n{r['sample']}")
+        if r.get("precision_report"):
+            pr = r["precision_report"]
+            print(
+                f"precision report ({r['mode']}): gradient error "
+                f"{pr['grad_error']:.2e}, top scopes {pr['top']}; wrote {pr['dir']}"
+            )
     print(
         f"\n{len(report['results'])} mode(s) in {report['total_wall_s']:.0f} s; "
         f"wrote {cfg.out}/charlm_results.json and {cfg.out}/charlm_loss.png"

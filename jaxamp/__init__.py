@@ -49,6 +49,8 @@ from ._tools._measure import low_precision_flop_share as low_precision_flop_shar
 from ._tools._measure import matmul_flops_by_dtype as matmul_flops_by_dtype
 from ._tools._measure import primitive_dtypes as primitive_dtypes
 from ._tools._measure import saved_residual_bytes as saved_residual_bytes
+from ._tools._precision_report import PrecisionReport as PrecisionReport
+from ._tools._precision_report import precision_report as precision_report
 from ._tools._quant_report import MatmulRecord as MatmulRecord
 from ._tools._quant_report import eight_bit_flop_share as eight_bit_flop_share
 from ._tools._quant_report import quantization_report as quantization_report
@@ -106,6 +108,7 @@ __all__ = (
     "MatmulRecord",
     "Overflow",
     "ScopePolicy",
+    "PrecisionReport",
     "SkipNonFiniteState",
     "StaticScalerState",
     "all_finite",
@@ -136,6 +139,7 @@ __all__ = (
     "matmul_flops_by_dtype",
     "min_matmul_size",
     "optimizer_update",
+    "precision_report",
     "primitive_dtypes",
     "quantization_report",
     "quantize",

@@ -39,6 +39,12 @@ def is_jaxpr(x: Any) -> bool:
     return isinstance(x, (Jaxpr, ClosedJaxpr))
 
 
+def is_tracer(x: Any) -> bool:
+    """True for a value being traced (a jit/grad tracer), not a concrete array
+    or literal. JAX 0.10 / 0.11: ``core.Tracer``."""
+    return isinstance(x, _core.Tracer)
+
+
 def sub_jaxprs(params: dict):
     """The jaxprs among an equation's params (single or in tuples/lists)."""
     for val in params.values():

@@ -28,7 +28,7 @@ DN = (((1,), (0,)), ((), ()))  # x @ w
 U = {E4M3: 2.0**-4, E5M2: 2.0**-3}  # unit roundoff: 3 and 2 mantissa bits
 HALF_SUBNORMAL = {E4M3: 2.0**-10, E5M2: 2.0**-17}  # half the subnormal spacing
 # The test models are small: without a size rule every matmul runs in FP8.
-FP8_ALL = jaxamp.fp8_policy(size_rule=None)
+FP8_ALL = jaxamp.fp8_policy(size_rule=None, quantize_last_matmul=True)
 
 
 def matmul_error_bound(a, b, fmt_a=E4M3, fmt_b=E4M3, scale_a=None, scale_b=None):
@@ -322,7 +322,7 @@ def _scoped_model(ws, x):
     ],
 )
 def test_fp8_policy_scopes(kwargs, expected):
-    policy = jaxamp.fp8_policy(**kwargs, size_rule=None)
+    policy = jaxamp.fp8_policy(**kwargs, size_rule=None, quantize_last_matmul=True)
     f = jaxamp.amp(_scoped_model, compute_dtype=BF16, amp_policy=policy)
     names = {(E4M3, E4M3): "fp8", (BF16, BF16): "bf16"}
     assert [names[d] for d in _dots(f)] == expected
@@ -378,7 +378,12 @@ def test_user_quantized_operands_are_bound_unchanged():
 
 @pytest.mark.parametrize("margin, power_of_two", [(0, False), (2, False), (1, True)])
 def test_fp8_rule_options(margin, power_of_two):
-    rule = jaxamp.fp8_rule(margin=margin, power_of_two=power_of_two, size_rule=None)
+    rule = jaxamp.fp8_rule(
+        margin=margin,
+        power_of_two=power_of_two,
+        size_rule=None,
+        quantize_last_matmul=True,
+    )
     assert rule.amp_impl
     x = jax.random.normal(jax.random.key(8), (4, 8))
     w = jax.random.normal(jax.random.key(22), (8, 5))
@@ -400,14 +405,18 @@ def test_default_size_rule_keeps_small_matmuls_in_the_compute_dtype():
 
     x = jnp.ones((8, 64))
     args = (x, jnp.ones((64, 16)), jnp.ones((64, 1040)))
-    g = jaxamp.amp(f, compute_dtype=BF16, amp_policy=jaxamp.fp8_amp_policy)
+    g = jaxamp.amp(
+        f, compute_dtype=BF16, amp_policy=jaxamp.fp8_policy(quantize_last_matmul=True)
+    )
     assert _dots_of(g, *args) == [(BF16, BF16), (E4M3, E4M3)]
     report = jaxamp.quantization_report(g, *args)
     assert [(r.shape, r.format, r.reason) for r in report] == [
         ((1, 8, 64, 16), "bfloat16", "below the size rule"),
         ((1, 8, 64, 1040), "fp8", ""),
     ]
-    small = jaxamp.fp8_policy(size_rule=jaxamp.min_matmul_size(n=17))
+    small = jaxamp.fp8_policy(
+        size_rule=jaxamp.min_matmul_size(n=17), quantize_last_matmul=True
+    )
     g = jaxamp.amp(f, compute_dtype=BF16, amp_policy=small)
     assert _dots_of(g, *args) == [(BF16, BF16), (E4M3, E4M3)]
     g = jaxamp.amp(f, compute_dtype=BF16, amp_policy=FP8_ALL)

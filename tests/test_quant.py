@@ -125,7 +125,10 @@ def int8_casts(closed):
 
 @functools.lru_cache
 def grad_jaxpr_for(wgrad, checkpoint=True):
-    return grad_jaxpr(jaxamp.int8_policy(size_rule=RULE, wgrad=wgrad), checkpoint)
+    return grad_jaxpr(
+        jaxamp.int8_policy(quantize_last_matmul=True, size_rule=RULE, wgrad=wgrad),
+        checkpoint,
+    )
 
 
 def grad_jaxpr(policy, checkpoint=True):
@@ -144,7 +147,9 @@ NOISE = jax.jit(rounding_noise)
 def gpt_int8_grad():
     """The jitted int8 gradient of the GPT (a fixed key: reproducible noise),
     compiled once for the tests that run it."""
-    pol = jaxamp.int8_policy(size_rule=RULE, key=jax.random.key(7))
+    pol = jaxamp.int8_policy(
+        quantize_last_matmul=True, size_rule=RULE, key=jax.random.key(7)
+    )
     return jax.jit(jax.grad(jaxamp.amp(gpt, compute_dtype=BF16, amp_policy=pol)))
 
 
@@ -172,10 +177,14 @@ def test_gpt_gradient_matmuls_run_in_int8(wgrad):
 
 def test_default_size_rule_skips_the_small_gpt():
     # torchao's rowwise crossover (N > 2048, K > 1024): nothing here pays.
-    table = dots(grad_jaxpr(jaxamp.int8_amp_policy))
+    table = dots(grad_jaxpr(jaxamp.int8_policy(quantize_last_matmul=True)))
     assert all(d[:2] == (BF16, BF16) for d in table)
     report = jaxamp.quantization_report(
-        jaxamp.amp(gpt, compute_dtype=BF16, amp_policy=jaxamp.int8_amp_policy),
+        jaxamp.amp(
+            gpt,
+            compute_dtype=BF16,
+            amp_policy=jaxamp.int8_policy(quantize_last_matmul=True),
+        ),
         PARAMS,
         TOKENS,
     )
@@ -185,7 +194,9 @@ def test_default_size_rule_skips_the_small_gpt():
 
 def test_report_names_scopes_shapes_and_formats():
     f = jaxamp.amp(
-        gpt, compute_dtype=BF16, amp_policy=jaxamp.int8_policy(size_rule=RULE)
+        gpt,
+        compute_dtype=BF16,
+        amp_policy=jaxamp.int8_policy(quantize_last_matmul=True, size_rule=RULE),
     )
     report = jaxamp.quantization_report(f, PARAMS, TOKENS)
     got = {(r.scope, r.shape[1:], r.format, r.reason) for r in report}
@@ -219,7 +230,9 @@ def test_gradient_report_gives_each_reason_and_the_users_line():
             return jnp.mean(up(o.reshape(b, t, d), w["up"]) ** 2)
 
     amp8 = jaxamp.amp(
-        loss, compute_dtype=BF16, amp_policy=jaxamp.int8_policy(size_rule=None)
+        loss,
+        compute_dtype=BF16,
+        amp_policy=jaxamp.int8_policy(quantize_last_matmul=True, size_rule=None),
     )
     report = jaxamp.quantization_report(jax.grad(amp8), w, x)
     reasons = {(r.scope, r.format, r.reason) for r in report}
@@ -280,7 +293,7 @@ def test_residuals_are_int8_and_below_bfloat16():
     def mlp(w, x):
         return jnp.mean(jnp.square(jax.nn.gelu(x @ w[0]) @ w[1].T))
 
-    pol = jaxamp.int8_policy(size_rule=RULE)
+    pol = jaxamp.int8_policy(quantize_last_matmul=True, size_rule=RULE)
     r8 = jaxamp.saved_residual_bytes(
         jaxamp.amp(mlp, compute_dtype=BF16, amp_policy=pol), w, x
     )
@@ -336,7 +349,9 @@ def test_a_traced_key_cannot_enter_a_checkpoint():
     f = lambda w, x: jnp.mean(jax.checkpoint(lambda w, x: x @ w)(w, x))
 
     def step(w, x, key):  # the policy built inside a traced step
-        pol = jaxamp.int8_policy(size_rule=None, key=jax.random.fold_in(key, 1))
+        pol = jaxamp.int8_policy(
+            quantize_last_matmul=True, size_rule=None, key=jax.random.fold_in(key, 1)
+        )
         return jaxamp.amp(f, compute_dtype=BF16, amp_policy=pol)(w, x)
 
     with pytest.raises(ValueError, match="checkpoint"):
@@ -345,7 +360,9 @@ def test_a_traced_key_cannot_enter_a_checkpoint():
     g = lambda w, x, key: jaxamp.amp(
         lambda w, x: jnp.mean(x @ w),
         compute_dtype=BF16,
-        amp_policy=jaxamp.int8_policy(size_rule=None, key=key),
+        amp_policy=jaxamp.int8_policy(
+            quantize_last_matmul=True, size_rule=None, key=key
+        ),
     )(w, x)
     assert dots(jax.make_jaxpr(g)(w, x, jax.random.key(0)))[0][:2] == (I8, I8)
 
@@ -374,7 +391,7 @@ def test_training_with_large_activations_tracks_float32():
     def loss(p, x, y):
         return jnp.mean(jnp.square(jnp.tanh(x @ p[0]) @ p[1] - y))
 
-    pol = jaxamp.int8_policy(size_rule=None)
+    pol = jaxamp.int8_policy(quantize_last_matmul=True, size_rule=None)
 
     def train(f):
         def step(p, _):
@@ -400,7 +417,7 @@ def test_equinox_and_flax_nnx_models():
     # as the weight: jaxamp._quant._common.weight_operand, test 5), and no
     # activation the size of a weight.
     x = normal(9, (200, 64))
-    pol = jaxamp.int8_policy(size_rule=None)
+    pol = jaxamp.int8_policy(quantize_last_matmul=True, size_rule=None)
     mlp = eqx_model(eqx.nn.MLP, 64, 8, 128, 2, seed=10)
     loss = lambda m, x: jnp.mean(jnp.square(jax.vmap(m)(x)))
     amp_loss = jaxamp.amp(loss, compute_dtype=BF16, amp_policy=pol)
@@ -486,7 +503,7 @@ def _products_by_size(closed, n):
 @pytest.mark.parametrize("case", range(6))
 def test_weight_operand_by_dataflow_not_position(case):
     name, loss, model, x, weight, x_size = _linear_cases()[case]
-    pol = jaxamp.int8_policy(size_rule=None)
+    pol = jaxamp.int8_policy(quantize_last_matmul=True, size_rule=None)
     f = jaxamp.amp(loss, compute_dtype=BF16, amp_policy=pol)
     closed = jax.make_jaxpr(jax.grad(f, (0, 1)))(model, x)
     # The weight gradient (wgrad) in the compute dtype, wherever the weight
@@ -512,7 +529,7 @@ def test_weight_operand_can_be_named():
     # weight="lhs" on x @ w: the activation x is read as the weight, so the
     # gradient of w becomes the int8 product and that of x the bf16 one.
     _, loss, w, x, _, _ = _linear_cases()[0]
-    pol = jaxamp.int8_policy(size_rule=None, weight="lhs")
+    pol = jaxamp.int8_policy(quantize_last_matmul=True, size_rule=None, weight="lhs")
     f = jaxamp.amp(loss, compute_dtype=BF16, amp_policy=pol)
     closed = jax.make_jaxpr(jax.grad(f, (0, 1)))(w, x)
     assert _products_by_size(closed, w.size) == [(I8, I8, I32)]
@@ -530,7 +547,7 @@ def test_data_parallel_shard_map():
         return jax.lax.pmean(jnp.mean(jnp.square(jnp.tanh(x @ w) @ w)), "data")
 
     sharded = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
-    pol = jaxamp.int8_policy(size_rule=None)
+    pol = jaxamp.int8_policy(quantize_last_matmul=True, size_rule=None)
     g8 = jax.jit(jax.grad(jaxamp.amp(sharded, compute_dtype=BF16, amp_policy=pol)))(
         w, x
     )
@@ -577,7 +594,7 @@ def test_bad_arguments_name_the_argument():
     with pytest.raises(TypeError, match="dgrad"):
         jaxamp.int8_rule(dgrad=1)
     with pytest.raises(TypeError, match="size_rule"):
-        jaxamp.int8_policy(size_rule=512)
+        jaxamp.int8_policy(quantize_last_matmul=True, size_rule=512)
     with pytest.raises(TypeError, match=r"\('mlp',\)"):
         jaxamp.int8_policy(scopes="mlp")
     with pytest.raises(TypeError, match="key"):

@@ -39,12 +39,19 @@ class SubJaxpr:
             becomes, or None (a loop predicate).
         carries: ``(sub-jaxpr output, sub-jaxpr input)`` pairs: the output is
             fed back into the input on the next iteration.
+        sliced: sub-jaxpr inputs that receive, at iteration ``t``, slice ``t``
+            of their operand along its leading axis (a scan's ``xs``).
+        stacked: sub-jaxpr outputs whose values of all iterations are stacked
+            along a new leading axis into the equation output (a scan's
+            ``ys``); the other outputs give the last iteration's value.
     """
 
     jaxpr: Any
     inputs: tuple[int, ...]
     outputs: tuple[int | None, ...]
     carries: tuple[tuple[int, int], ...] = ()
+    sliced: tuple[int, ...] = ()
+    stacked: tuple[int, ...] = ()
 
     @property
     def core(self) -> Any:
@@ -73,6 +80,7 @@ class Structure:
             scan-input hoist follows uses into it and moves casts out of it.
         recomputed: the backward pass re-runs the sub-jaxpr
             (``jax.checkpoint``).
+        reverse: a loop whose iterations run from the last index down.
     """
 
     subs: tuple[SubJaxpr, ...]
@@ -82,6 +90,16 @@ class Structure:
     call: bool = False
     dtypes_flow: bool = False
     recomputed: bool = False
+    reverse: bool = False
+
+    @property
+    def unrollable(self) -> bool:
+        """One sub-jaxpr run a static number of times with values carried or
+        sliced between iterations (a scan): a walk may unroll it."""
+        if len(self.subs) != 1 or self.call or self.exclusive or self.copies != 1:
+            return False
+        sub = self.subs[0]
+        return self.trips is not None and bool(sub.carries or sub.sliced)
 
 
 # eval_sub(sub-jaxpr parameter value, its input values) -> its output values.
@@ -140,6 +158,13 @@ def run_concretely(eqn: Any, invals: list, eval_sub: EvalSub) -> list | None:
     if entry is None or entry.run is None or entry.describe(eqn) is None:
         return None
     return entry.run(eqn, invals, eval_sub)
+
+
+def runs_whole(eqn: Any) -> bool:
+    """Whether ``eqn`` is to be bound as it is, never entered by a concrete
+    walk (its registration's ``run`` is None: a body that needs its mesh)."""
+    entry = DESCRIPTIONS.get(eqn.primitive.name)
+    return entry is not None and entry.run is None
 
 
 def trips(eqn: Any) -> int:

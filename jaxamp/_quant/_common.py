@@ -30,10 +30,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._base._dtypes import is_float
+from .._base._dtypes import is_float, widest
 from .._policy._kinds import ImplementationRule
 from .._policy._lookup import builtin_rule
 from .._policy._rules import default_amp_policy, use_compute_precision
+from .._values._facts import current_facts
 
 SizeRule = Callable[[int, int, int], bool]
 
@@ -44,6 +45,9 @@ FP8_SCOPE = "amp_fp8_matmul"
 SMALL_SCOPE = "amp_small_matmul"
 # A gradient product the int8 recipe keeps in the compute dtype (wgrad by default).
 KEPT_SCOPE = "amp_kept_matmul"
+# A product feeding the loss (no other matmul after it: the head's logits)
+# that an 8-bit policy keeps in the compute dtype (``quantize_last_matmul``).
+LOSS_SCOPE = "amp_loss_matmul"
 
 
 def torchao_tensorwise_size_rule(m: int, k: int, n: int) -> bool:
@@ -356,6 +360,7 @@ def eight_bit_rule(
     weight: str,
     scope: str,
     quantized: Callable[[jax.Array, jax.Array, Any, Any], jax.Array],
+    quantize_last: bool = True,
 ) -> Callable:
     """An :class:`jaxamp.ImplementationRule` for ``dot_general``
     that runs ``quantized(lhs, rhs, dimension_numbers, compute_dtype)`` inside
@@ -365,7 +370,14 @@ def eight_bit_rule(
     operand (quantized by the user) are bound unchanged; a product that
     ``size_rule`` rejects (on the forward product's ``(m, k, n)``, the weight
     per :func:`weight_last` with ``weight``) runs in the compute dtype
-    (:func:`compute_dtype_dot`).
+    (:func:`compute_dtype_dot`). With ``quantize_last`` False, a product that
+    feeds the loss (the value facts' ``tail``: no other matmul reads its
+    result, e.g. a language model's head) runs in the compute dtype with its
+    traced result dtype, as under the default policy, inside
+    ``jax.named_scope(LOSS_SCOPE)``: the recipes of torchtitan (its MXFP8
+    converter skips the ``output`` layer) and DeepSeek-V3 keep the head in
+    high precision, and its input gradient is int8's largest error source
+    (``benchmarks/RESULTS_QUANT.md``).
     """
 
     def rule(compute_dtype, original_dtypes, lhs, rhs, **params):
@@ -376,6 +388,10 @@ def eight_bit_rule(
             return jax.lax.dot_general_p.bind(*new_in, **new_params)
         if np.dtype(lhs.dtype).itemsize == 1 or np.dtype(rhs.dtype).itemsize == 1:
             return jax.lax.dot_general_p.bind(lhs, rhs, **params)
+        if not quantize_last and current_facts().tail:
+            out = params.get("preferred_element_type") or widest(original_dtypes)
+            with jax.named_scope(LOSS_SCOPE):
+                return compute_dtype_dot(compute_dtype, lhs, rhs, params, out)
         dn = params["dimension_numbers"]
         a, w, dn_aw, _ = weight_last(lhs, rhs, dn, weight)
         if not size_rule(*Dims.of(dn_aw, a.ndim, w.ndim).mkn(a.shape, w.shape)):
@@ -388,10 +404,15 @@ def eight_bit_rule(
 
 
 def compute_dtype_dot(
-    compute_dtype: Any, lhs: jax.Array, rhs: jax.Array, params: dict
+    compute_dtype: Any,
+    lhs: jax.Array,
+    rhs: jax.Array,
+    params: dict,
+    out_dtype: Any = None,
 ) -> jax.Array:
     """``dot_general`` of float operands in the compute dtype (what the default
-    rule does), for a matmul that an 8-bit rule leaves unquantized.
+    rule does), for a matmul that an 8-bit rule leaves unquantized; its result
+    in ``out_dtype`` (default: the compute dtype).
 
     Inputs wider than the compute dtype are cast inside ``jax.checkpoint``, so
     the backward pass re-casts them instead of saving their low-precision
@@ -402,7 +423,8 @@ def compute_dtype_dot(
     floats = [np.dtype(x.dtype) for x in (lhs, rhs) if is_float(x.dtype)]
     if floats and all(f.itemsize < cd.itemsize for f in floats):
         return jax.lax.dot_general_p.bind(lhs, rhs, **params)
-    new_params = {**params, "preferred_element_type": cd}
+    out = cd if out_dtype is None else np.dtype(out_dtype)
+    new_params = {**params, "preferred_element_type": out}
 
     def run(a, b):
         a, b = (x.astype(cd) if is_float(x.dtype) else x for x in (a, b))

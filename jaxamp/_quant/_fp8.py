@@ -197,6 +197,7 @@ def fp8_rule(
     power_of_two: bool = False,
     *,
     size_rule: Any = torchao_tensorwise_size_rule,
+    quantize_last_matmul: bool = False,
 ):
     """An amp *implementation rule* for ``dot_general`` that runs it in FP8.
 
@@ -223,6 +224,11 @@ def fp8_rule(
             crossover for per-tensor scales: skip ``K <= 4096 and
             N <= 1024``); None runs every matmul in FP8;
             :class:`jaxamp.min_matmul_size` builds thresholds.
+        quantize_last_matmul: run a product that feeds the loss (no other
+            matmul reads it: a language model's head) in FP8 too. Default
+            False: it runs in the compute dtype with a float32 result
+            (torchtitan's MXFP8 converter skips the ``output`` layer;
+            DeepSeek-V3 keeps the output head in BF16).
 
     Returns:
         The rule, to put under the ``"dot_general"`` key of a policy (or use
@@ -235,7 +241,8 @@ def fp8_rule(
 
     size_rule = check_size_rule(size_rule, "fp8_rule")
     name = f"fp8_rule(margin={margin}, power_of_two={power_of_two})"
-    return eight_bit_rule(name, size_rule, "auto", FP8_SCOPE, quantized)
+    last = bool(quantize_last_matmul)
+    return eight_bit_rule(name, size_rule, "auto", FP8_SCOPE, quantized, last)
 
 
 def fp8_policy(
@@ -245,6 +252,7 @@ def fp8_policy(
     margin: int = 0,
     power_of_two: bool = False,
     size_rule: Any = torchao_tensorwise_size_rule,
+    quantize_last_matmul: bool = False,
     base: Mapping[Any, Any] | None = None,
 ) -> dict[Any, Any]:
     """An amp policy with FP8 matmuls everywhere or only inside named scopes.
@@ -277,6 +285,8 @@ def fp8_policy(
         power_of_two: passed to :func:`fp8_rule`.
         size_rule: passed to :func:`fp8_rule`: which matmuls are large
             enough to pay for FP8 (default torchao's tensorwise filter).
+        quantize_last_matmul: passed to :func:`fp8_rule` (default False:
+            the product feeding the loss stays in the compute dtype).
         base: the policy for everything else; default
             ``jaxamp.default_amp_policy``.
 
@@ -288,13 +298,20 @@ def fp8_policy(
         TypeError: if ``scopes`` or ``exclude_scopes`` is a single string
             rather than a collection of names.
     """
-    rule = fp8_rule(margin, None, power_of_two, size_rule=size_rule)
+    rule = fp8_rule(
+        margin,
+        None,
+        power_of_two,
+        size_rule=size_rule,
+        quantize_last_matmul=quantize_last_matmul,
+    )
     return scoped_policy("fp8_policy", rule, scopes, exclude_scopes, base)
 
 
 fp8_amp_policy: dict[Any, Any] = fp8_policy()
 """The default policy with every float ``dot_general`` that passes torchao's
-tensorwise size rule in FP8 (use a ``jnp.bfloat16`` compute dtype);
+tensorwise size rule in FP8, but the one feeding the loss (use a
+``jnp.bfloat16`` compute dtype);
 :func:`fp8_policy` builds per-scope and tuned variants. Equivalent nested forms:
 ``{**default_amp_policy, "mlp": fp8_amp_policy}`` (FP8 only inside ``mlp``
 scopes), ``{**fp8_amp_policy, "head": default_amp_policy}`` (all but the

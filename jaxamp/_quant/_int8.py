@@ -417,6 +417,7 @@ def int8_rule(
     size_rule: Any = torchao_rowwise_size_rule,
     key: jax.Array | None = None,
     weight: str = "auto",
+    quantize_last_matmul: bool = False,
 ):
     """An amp implementation rule (:class:`jaxamp.ImplementationRule`) running float
     ``dot_general`` equations through :func:`int8_dot_general`.
@@ -440,6 +441,12 @@ def int8_rule(
             (weight's free elements): True to quantize. Default
             :func:`jaxamp.torchao_rowwise_size_rule`; None quantizes every
             matmul; :class:`jaxamp.min_matmul_size` builds thresholds.
+        quantize_last_matmul: quantize a product that feeds the loss (no
+            other matmul reads it: a language model's head). Default False:
+            it runs in the compute dtype with a float32 result, as
+            torchtitan's float8 recipes and DeepSeek-V3 keep the output head
+            (its int8 input gradient is int8's largest gradient error,
+            ``benchmarks/RESULTS_QUANT.md``).
 
     Returns:
         The rule, for the ``"dot_general"`` key of a policy.
@@ -464,7 +471,9 @@ def int8_rule(
         return _weight_last_dot(lhs, rhs, seed, dn, compute_dtype, recipe, weight)
 
     name = f"int8_rule({recipe})"
-    return eight_bit_rule(name, size_rule, weight, INT8_SCOPE, quantized)
+    return eight_bit_rule(
+        name, size_rule, weight, INT8_SCOPE, quantized, bool(quantize_last_matmul)
+    )
 
 
 def int8_policy(
@@ -479,6 +488,7 @@ def int8_policy(
     size_rule: Any = torchao_rowwise_size_rule,
     key: jax.Array | None = None,
     weight: str = "auto",
+    quantize_last_matmul: bool = False,
     base: Mapping[Any, Any] | None = None,
 ) -> dict[Any, Any]:
     """An amp policy training matmuls in int8, everywhere or per named scope.
@@ -488,6 +498,7 @@ def int8_policy(
         int8_policy()                              # == jaxamp.int8_amp_policy
         int8_policy(size_rule=None)                # every matmul, small ones too
         int8_policy(wgrad=True)                    # all three matmuls in int8
+        int8_policy(quantize_last_matmul=True)     # the head in int8 too
         int8_policy(scopes=("mlp",), exclude_scopes=("head",))
 
     Scope semantics are those of :func:`jaxamp.fp8_policy`.
@@ -503,6 +514,8 @@ def int8_policy(
         size_rule: as for :func:`int8_rule`.
         key: as for :func:`int8_rule`.
         weight: as for :func:`int8_rule`.
+        quantize_last_matmul: as for :func:`int8_rule` (default False: the
+            product feeding the loss stays in the compute dtype).
         base: the policy for everything else; default
             ``jaxamp.default_amp_policy``.
 
@@ -524,12 +537,14 @@ def int8_policy(
         size_rule=size_rule,
         key=key,
         weight=weight,
+        quantize_last_matmul=quantize_last_matmul,
     )
     return scoped_policy("int8_policy", rule, scopes, exclude_scopes, base)
 
 
 int8_amp_policy: dict[Any, Any] = int8_policy()
 """The default policy with int8 training for every float ``dot_general``
-that passes torchao's rowwise size rule: forward and dgrad int8 x int8 ->
-int32 with rowwise scales, stochastic rounding of the gradient, wgrad in the
-compute dtype (use ``jnp.bfloat16``); :func:`int8_policy` builds variants."""
+that passes torchao's rowwise size rule, but the one feeding the loss: forward
+and dgrad int8 x int8 -> int32 with rowwise scales, stochastic rounding of the
+gradient, wgrad in the compute dtype (use ``jnp.bfloat16``); :func:`int8_policy`
+builds variants."""

@@ -12,13 +12,28 @@ import numpy as np
 from .. import _compat
 from .._base import _structure
 from .._base._dtypes import is_float
-from .._quant._common import FP8_SCOPE, INT8_SCOPE, KEPT_SCOPE, SMALL_SCOPE, Dims
+from .._quant._common import (
+    FP8_SCOPE,
+    INT8_SCOPE,
+    KEPT_SCOPE,
+    LOSS_SCOPE,
+    SMALL_SCOPE,
+    Dims,
+)
 from .._rewrites._attention import FUSED_SCOPE
 from ._measure import matmul_flops_by_dtype
 
 # jaxamp's own scopes and JAX's name for a jax.checkpoint body: not the user's.
-_MARKERS = {INT8_SCOPE, FP8_SCOPE, SMALL_SCOPE, KEPT_SCOPE, "rematted_computation"}
+_MARKERS = {
+    INT8_SCOPE,
+    FP8_SCOPE,
+    SMALL_SCOPE,
+    KEPT_SCOPE,
+    LOSS_SCOPE,
+    "rematted_computation",
+}
 _REASONS = (
+    (LOSS_SCOPE, "feeds the loss: kept in the compute dtype"),
     (SMALL_SCOPE, "below the size rule"),
     (KEPT_SCOPE, "kept in the compute dtype by the recipe"),
     (FUSED_SCOPE, "fused attention"),
@@ -62,7 +77,9 @@ class MatmulRecord(NamedTuple):
             name (``"bfloat16"``; ``"float32 x bfloat16"`` when they differ).
         flops: FLOPs per call of the function (``scan`` bodies weighted by
             their length).
-        reason: why an unquantized product stayed in its format: ``"below
+        reason: why an unquantized product stayed in its format: ``"feeds
+            the loss: kept in the compute dtype"`` (an 8-bit policy's
+            ``quantize_last_matmul=False``), ``"below
             the size rule"`` (an 8-bit policy skipped it), ``"kept in the
             compute dtype by the recipe"`` (int8's default wgrad),
             ``"fused attention"`` (re-dispatched attention, never quantized),

@@ -299,13 +299,17 @@ def _describe_scan(eqn: Any) -> Structure:
     # The body takes (consts, carries, one slice of each xs) and gives
     # (carries, one slice of each ys): operands and outputs in order.
     n_consts, n_carry = _compat.scan_carry_range(eqn.params)
+    n_in, n_out = len(eqn.invars), len(eqn.outvars)
     body = SubJaxpr(
         eqn.params["jaxpr"],
-        tuple(range(len(eqn.invars))),
-        tuple(range(len(eqn.outvars))),
+        tuple(range(n_in)),
+        tuple(range(n_out)),
         tuple((c, n_consts + c) for c in range(n_carry)),
+        sliced=tuple(range(n_consts + n_carry, n_in)),
+        stacked=tuple(range(n_carry, n_out)),
     )
-    return Structure((body,), trips=eqn.params.get("length", 1))
+    length = eqn.params.get("length", 1)
+    return Structure((body,), trips=length, reverse=bool(eqn.params["reverse"]))
 
 
 def _run_scan(eqn: Any, invals: list, eval_sub: Callable) -> list:

@@ -1,0 +1,147 @@
+"""The outputs of :class:`jaxamp.PrecisionReport`: a plain-text table, a
+JSON dict and a PNG (a heatmap of scopes x op groups and the ranking, drawn
+with matplotlib, imported only when saving)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any
+
+GROUPS = ("matmul", "elementwise", "exp/log/root", "reduction", "region")
+
+
+def _num(x: float) -> float | None:
+    return float(x) if math.isfinite(x) else None
+
+
+def to_json(report: Any) -> dict:
+    """The report as a JSON-serialisable dict: totals, per-group gradient
+    errors, the ranking by gradient and by loss share, and every record."""
+    recs = []
+    for r in report.records:
+        d = dataclasses.asdict(r)
+        d["iteration"] = list(r.iteration)
+        recs.append({k: _num(v) if isinstance(v, float) else v for k, v in d.items()})
+    return {
+        "compute_dtype": report.compute_dtype,
+        "loss_float32": report.loss32,
+        "loss_amp": report.loss,
+        "loss_error": _num(report.loss_error),
+        "grad_errors": report.grad_errors,
+        "ranking_grad": report.scopes("grad"),
+        "ranking_loss": {k: _num(v) for k, v in report.scopes("loss").items()},
+        "records": recs,
+    }
+
+
+def scope_table(report: Any) -> dict[str, dict[str, Any]]:
+    """Per scope path: gradient share, loss share, largest local and
+    propagated error, worst over/underflow, formats, first source line."""
+    out: dict[str, dict[str, Any]] = {}
+    for r in report.records:
+        row = out.setdefault(
+            r.scope,
+            {
+                "grad": 0.0,
+                "loss": 0.0,
+                "local": 0.0,
+                "prop": 0.0,
+                "over": 0.0,
+                "under": 0.0,
+                "formats": set(),
+                "source": r.source,
+            },
+        )
+        row["grad"] += r.grad_share**2
+        row["loss"] += r.loss_share
+        row["local"] = max(row["local"], r.local_error)
+        row["prop"] = max(row["prop"], r.propagated_error)
+        row["over"] = max(row["over"], r.overflow)
+        row["under"] = max(row["under"], r.underflow)
+        if r.format:
+            row["formats"].add(r.format)
+    for row in out.values():
+        row["grad"] = row["grad"] ** 0.5
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["grad"]))
+
+
+def text(report: Any) -> str:
+    """The plain-text table ``print(report)`` shows."""
+    head = (
+        f"precision report ({report.compute_dtype}): loss {report.loss:.6g} vs "
+        f"float32 {report.loss32:.6g} (rel {report.loss_error:.2e}); gradient "
+        f"error {report.grad_error:.2e}\n"
+    )
+    groups = "  ".join(
+        f"{k} {v:.2e}" for k, v in report.grad_errors.items() if k != "total"
+    )
+    lines = [head + f"per parameter group: {groups}", ""]
+    lines.append(
+        f"{'scope':<28} {'grad share':>10} {'loss share':>10} {'local':>9} "
+        f"{'propag.':>9} {'overfl.':>8} {'underfl.':>8}  formats / source"
+    )
+    for scope, r in scope_table(report).items():
+        lines.append(
+            f"{(scope or '(no scope)')[:28]:<28} {r['grad']:10.2e} {r['loss']:10.2e} "
+            f"{r['local']:9.2e} {r['prop']:9.2e} {r['over']:8.1%} {r['under']:8.1%}  "
+            f"{','.join(sorted(r['formats']))} {os.path.basename(r['source'])}"
+        )
+    return "\n".join(lines)
+
+
+def _heat(report: Any) -> tuple[list[str], list[list[float]]]:
+    cells: dict[str, dict[str, float]] = {}
+    for r in report.records:  # one row per scope and scan iteration (layer)
+        it = f" [{','.join(map(str, r.iteration))}]" if r.iteration else ""
+        name = (r.scope or "(no scope)") + it
+        row = cells.setdefault(name, dict.fromkeys(GROUPS, 0.0))
+        row[r.group] = row.get(r.group, 0.0) + r.grad_share**2
+    rows = sorted(cells)
+    return rows, [[cells[s][g] ** 0.5 for g in GROUPS] for s in rows]
+
+
+def save(report: Any, directory: str) -> tuple[str, str]:
+    """Write ``precision_report.json`` and ``precision_report.png`` into
+    ``directory`` (created if missing); returns their paths.
+
+    Raises:
+        ImportError: if matplotlib is not installed (``pip install
+            matplotlib``, or jaxamp's ``examples`` extra).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "PrecisionReport.save needs matplotlib: pip install matplotlib."
+        ) from e
+    os.makedirs(directory, exist_ok=True)
+    jpath = os.path.join(directory, "precision_report.json")
+    with open(jpath, "w") as f:
+        json.dump(to_json(report), f, indent=1)
+    rows, heat = _heat(report)
+    ranking = list(report.scopes("grad").items())[:12][::-1]
+    fig, (ax0, ax1) = plt.subplots(
+        1,
+        2,
+        figsize=(12, max(3.0, 0.35 * len(rows) + 1.5)),
+        gridspec_kw={"width_ratios": [3, 2]},
+    )
+    im = ax0.imshow(heat, aspect="auto", cmap="magma_r")
+    ax0.set_xticks(range(len(GROUPS)), GROUPS, rotation=30, ha="right")
+    ax0.set_yticks(range(len(rows)), rows)
+    ax0.set_title("gradient-error share per scope [scan iteration] and op group")
+    fig.colorbar(im, ax=ax0, fraction=0.04)
+    ax1.barh([k or "(no scope)" for k, _ in ranking], [v for _, v in ranking])
+    ax1.ticklabel_format(axis="x", style="sci", scilimits=(0, 0))
+    ax1.set_title(f"ranking (gradient error {report.grad_error:.2e})")
+    fig.tight_layout()
+    ppath = os.path.join(directory, "precision_report.png")
+    fig.savefig(ppath, dpi=110)
+    plt.close(fig)
+    return jpath, ppath

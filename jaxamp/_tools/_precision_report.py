@@ -1,0 +1,555 @@
+"""``precision_report``: where a mixed-precision training step loses accuracy,
+and the smallest policy change that wins it back.
+
+The float32 and the amp step are compared on the same inputs in one
+differential walk (``_precision_walk.py``): per equation the *local* error
+(amp's equation fed the float32 inputs, PyTorch's shadow loggers,
+``torch.ao.ns._numeric_suite_fx``) and the *propagated* error (amp's value
+against float32's), grouped by ``jax.named_scope`` path and scan iteration.
+Scopes are ranked by a first-order estimate of their share of the error, from
+one backward pass: every site's float32 cotangent ``g = dL/dy`` (zero probes
+added to every output, differentiated at once) gives
+
+* its share of the loss error, ``|<g, y_local - y_32>|`` (first order in the
+  forward error);
+* its share of the gradient error, ``|VJP_amp(x_32; g) - VJP_32(x_32; g)|``:
+  the local error of the backward pass amp runs for the equation (the 8-bit
+  rules quantize the input gradient in their ``custom_vjp``), relative to the
+  float32 gradient's norm.
+
+Per-scope shares add in quadrature (independent rounding errors). The idea of
+ranking layers by sensitivity times perturbation is HAWQ's (Dong et al.,
+2019); the greedy fallback of the worst ops to higher precision until a target
+is met is Intel Neural Compressor's ``AutoMixedPrecisionTuneStrategy``. The
+plain-text table and the PNG are in ``_precision_plot.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import _compat
+from .._amp import DEFAULT_PIPELINE, amp
+from .._base._dtypes import canonical_dtype, is_float
+from .._base._prims import MATMULS
+from .._base._structure import describe
+from .._policy._lookup import AmpPolicy
+from .._policy._rules import default_amp_policy
+from .._walk._loop import AmpContext
+from . import _precision_plot, _precision_suggest
+from ._precision_walk import (
+    DiffVisitor,
+    Site,
+    backward_errors,
+    probe_cotangents,
+    traverse,
+)
+
+_TRANSCENDENTAL = {
+    "exp",
+    "exp2",
+    "log",
+    "log1p",
+    "logistic",
+    "tanh",
+    "rsqrt",
+    "sqrt",
+    "erf",
+    "erf_inv",
+    "pow",
+    "expm1",
+}
+
+
+def op_group(eqn: Any) -> str:
+    """The op group of an equation's primitive, for the heatmap's columns."""
+    name = eqn.primitive.name
+    if name in MATMULS:
+        return "matmul"
+    if name in _TRANSCENDENTAL:
+        return "exp/log/root"
+    if name.startswith(("reduce_", "cumsum", "cumlogsumexp", "argmax", "argmin")):
+        return "reduction"
+    if describe(eqn) is not None:  # a higher-order equation run whole
+        return "region"
+    return "elementwise"
+
+
+def scope_path(scopes: tuple) -> str:
+    """The user's ``named_scope`` path: jaxamp's markers left out."""
+    own = [
+        s
+        for s in scopes
+        if not s.startswith(("jax", "amp_"))
+        and s != "rematted_computation"
+        and "->" not in s  # jnp.einsum's scope (its subscripts), not the user's
+    ]
+    return "/".join(s for i, s in enumerate(own) if i == 0 or s != own[i - 1])
+
+
+@dataclasses.dataclass
+class SiteRecord:
+    """One equation instance of the report (JSON-serialisable).
+
+    Attributes:
+        scope: the ``named_scope`` path (``""`` outside any scope).
+        iteration: the enclosing ``scan`` iterations, outermost first.
+        primitive: the primitive's name.
+        group: its op group (``"matmul"``, ``"elementwise"``, ...).
+        source: the user's line, ``"file.py:LINE:COL (function)"``.
+        format: the low-precision format it ran in (``"bfloat16"``,
+            ``"int8"``, ``"float8_e4m3fn"``, ``"float32"``).
+        local_error: relative L2 error of amp's equation on the float32 inputs.
+        propagated_error: relative L2 error of amp's value.
+        overflow: fraction of output elements non-finite in amp's local value
+            where float32's is finite.
+        underflow: fraction of output elements flushed to zero in amp's local
+            value where float32's is not zero.
+        peak: the largest float32 output magnitude.
+        format_max: the largest finite value of the output's amp dtype.
+        loss_share: first-order share of the loss error, ``|<g, dy_local>|``.
+        grad_share: local backward error ``|VJP_amp - VJP_32|`` relative to
+            the float32 gradient's norm.
+    """
+
+    scope: str
+    iteration: tuple
+    primitive: str
+    group: str
+    source: str
+    format: str
+    local_error: float
+    propagated_error: float
+    overflow: float
+    underflow: float
+    peak: float
+    format_max: float
+    loss_share: float
+    grad_share: float
+
+
+def _sq(x: Any) -> float:
+    return float(np.sum(np.square(np.asarray(x, np.float64))))
+
+
+def _rel(got: list, want: list) -> float:
+    den = sum(_sq(w) for w in want)
+    num = sum(
+        _sq(np.asarray(g, np.float64) - np.asarray(w, np.float64))
+        for g, w in zip(got, want)
+    )
+    return (num / den) ** 0.5 if den else float(num > 0)
+
+
+def _fractions(local: list, want: list) -> list[float]:
+    n = sum(int(np.size(w)) for w in want) or 1
+    over = under = 0
+    peak = 0.0
+    for lo, w in zip(local, want):
+        lo64, w64 = np.asarray(lo, np.float64), np.asarray(w, np.float64)
+        fin = np.isfinite(w64)
+        over += int(np.sum(~np.isfinite(lo64) & fin))
+        under += int(np.sum((lo64 == 0) & (w64 != 0) & fin))
+        if w64.size:
+            peak = max(peak, float(np.max(np.abs(np.where(fin, w64, 0)))))
+    return [over / n, under / n, peak]
+
+
+def _format(site: Site, cache: dict) -> tuple[str, bool]:
+    """``(format, reduced)``: the narrowest dtype amp's step computes in (an
+    8-bit format of a product where it has one) and whether any value of the
+    step is narrower than float32; from its jaxpr, cached per equation (and
+    enclosing scopes) in ``cache``."""
+    key = (id(site.eqn), site.scopes)
+    if key not in cache:
+        closed = jax.make_jaxpr(site.run_amp)([jax.typeof(x) for x in site.x32])
+        fmt, reduced = "float32", False
+        for eqn in closed.jaxpr.eqns + _inner(closed.jaxpr):
+            ops = [np.dtype(v.aval.dtype) for v in eqn.invars]
+            if eqn.primitive.name in MATMULS and all(d.itemsize == 1 for d in ops):
+                fmt, reduced = ops[0].name, True
+                break
+            avals = (*eqn.invars, *eqn.outvars)
+            low = [
+                np.dtype(v.aval.dtype)
+                for v in avals
+                if is_float(v.aval.dtype) and np.dtype(v.aval.dtype).itemsize < 4
+            ]
+            if low:
+                reduced = True
+                fmt = low[0].name if fmt == "float32" else fmt
+        cache[key] = (fmt, reduced)
+    return cache[key]
+
+
+def _inner(jaxpr: Any) -> list:
+    out = []
+    for eqn in jaxpr.eqns:
+        for sub in _compat.sub_jaxprs(eqn.params):
+            core = _compat.jaxpr_parts(sub)[0]
+            out.extend(core.eqns + _inner(core))
+    return out
+
+
+def _site_stats(site: Site, g: list, reduced: bool) -> list[float]:
+    """Local and propagated error, overflow, underflow, peak and loss share
+    of one site (host-side, float64)."""
+    fo = [i for i, y in enumerate(site.y32) if is_float(getattr(y, "dtype", None))]
+    want = [site.y32[i] for i in fo]
+    if not want:
+        return [0.0] * 6
+    local = [site.local[i] for i in fo]
+    prop = _rel([site.amp[i] for i in fo], want)
+    if not reduced:  # amp's step is float32's: no local error
+        return [0.0, prop, 0.0, 0.0, _fractions(want, want)[2], 0.0]
+    loss_share = abs(
+        sum(
+            float(
+                np.vdot(
+                    np.asarray(gi, np.float64),
+                    np.asarray(lo, np.float64) - np.asarray(w, np.float64),
+                )
+            )
+            for gi, lo, w in zip(g, local, want)
+        )
+    )
+    return [_rel(local, want), prop, *_fractions(local, want), loss_share]
+
+
+def _site_meta(site: Site, cache: dict) -> tuple:
+    """What a record keeps of a traced site: equation, scopes, iterations,
+    format."""
+    has_float = any(is_float(getattr(y, "dtype", None)) for y in site.y32)
+    fmt = _format(site, cache)[0] if has_float else ""
+    return site.eqn, site.scopes, site.iteration, fmt
+
+
+def _record(meta: tuple, row: np.ndarray, grad_norm: float) -> SiteRecord:
+    eqn, scopes, iteration, fmt = meta
+    name = eqn.primitive.name
+    fmax = float(jnp.finfo(fmt).max) if fmt.startswith(("float", "bfloat")) else 127.0
+    local, prop, over, under, peak, loss_share, back = (float(v) for v in row)
+    loss_share = loss_share if np.isfinite(loss_share) else float("inf")
+    return SiteRecord(
+        scope_path(scopes),
+        iteration,
+        name,
+        op_group(eqn),
+        _compat.source_line(eqn),
+        fmt,
+        local,
+        prop,
+        over,
+        under,
+        peak,
+        fmax,
+        loss_share,
+        back / grad_norm if grad_norm else 0.0,
+    )
+
+
+def _leaf_paths(tree: Any, depth: int) -> list[str]:
+    """Per array leaf of ``tree``, its group: the first ``depth`` keys of its
+    pytree path joined by ``/`` (``"layers/qkv"``)."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return [
+        "/".join(_key_name(k) for k in path[:depth]) or "params" for path, _ in flat
+    ]
+
+
+def _key_name(k: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def group_errors(got: list, want: list, names: list[str]) -> dict[str, float]:
+    """Relative L2 error ``sqrt(sum |g - r|^2 / sum |r|^2)`` (float32) of the
+    arrays ``got`` against ``want``, in total (``"total"``) and per group
+    (``names[i]`` is the group of array ``i``)."""
+    out = {"total": float(_rel(got, want))}
+    for name in dict.fromkeys(names):
+        idx = [i for i, n in enumerate(names) if n == name]
+        out[name] = float(_rel([got[i] for i in idx], [want[i] for i in idx]))
+    return out
+
+
+def amp_gradients(
+    fn: Callable,
+    args: tuple,
+    kwargs: dict,
+    compute_dtype: Any,
+    policy: Any,
+    has_aux: bool,
+    scale: float,
+) -> tuple[float, list]:
+    """``(loss, gradient leaves w.r.t. args[0]'s float arrays)`` of one amp
+    step under ``policy``, jitted; the loss multiplied by ``scale`` before
+    differentiating and the gradient divided by it (static loss scaling)."""
+    f = amp(fn, compute_dtype=compute_dtype, amp_policy=policy)
+
+    def scaled(p, *rest):
+        out = f(p, *rest, **kwargs)
+        loss = (out[0] if has_aux else out).astype(jnp.float32)
+        return loss * np.float32(scale), loss
+
+    step = eqx.filter_jit(eqx.filter_value_and_grad(scaled, has_aux=True))
+    (_, loss), g = step(*args)
+    leaves = jax.tree.leaves(eqx.filter(g, eqx.is_array))
+    return float(loss), [x / np.float32(scale) for x in leaves]
+
+
+def precision_report(
+    loss_fn: Callable,
+    *args: Any,
+    compute_dtype: Any = jnp.bfloat16,
+    amp_policy: Mapping[Any, Any] = default_amp_policy,
+    has_aux: bool = False,
+    loss_scale: float | None = None,
+    group_depth: int = 1,
+    **kwargs: Any,
+) -> PrecisionReport:
+    """Where ``amp(loss_fn)`` loses accuracy against float32, per equation,
+    ``named_scope`` path, scan iteration and parameter group.
+
+    Runs the float32 and the amp step on the same inputs in one differential
+    walk (see ``jaxamp/_tools/_precision_walk.py``), one backward pass for
+    every equation's float32 cotangent, each equation's backward pass at the
+    float32 point, and amp's own gradient, all in one compiled function
+    (scans unrolled): the cost of a few training steps, not one run per scope.
+
+    Args:
+        loss_fn: ``loss_fn(params, *rest, **kwargs)`` returning a float scalar
+            loss (or ``(loss, aux)`` with ``has_aux``); ``params`` a pytree
+            (dicts, Equinox modules; for Flax NNX pass ``nnx.split``'s state).
+        *args: its arguments; gradients are taken w.r.t. the float arrays of
+            ``args[0]``; other array leaves are inputs, non-arrays static.
+        compute_dtype: amp's compute dtype (default bfloat16).
+        amp_policy: amp's policy (default :data:`jaxamp.default_amp_policy`;
+            e.g. :func:`jaxamp.int8_policy` or :func:`jaxamp.fp8_policy`).
+        has_aux: ``loss_fn`` returns ``(loss, aux)``.
+        loss_scale: static loss scale of amp's backward pass; default
+            ``2**15`` for float16, else 1.
+        group_depth: how many pytree path keys of ``args[0]`` name a
+            parameter group (1: top-level keys).
+        **kwargs: keyword arguments of ``loss_fn`` (arrays or static).
+
+    Returns:
+        A :class:`PrecisionReport`.
+
+    Raises:
+        TypeError: if ``loss_fn`` is not callable or ``args`` is empty.
+        ValueError: if the loss is not a float scalar, ``compute_dtype`` is
+            not a float dtype or ``group_depth`` is below 1.
+    """
+    if not callable(loss_fn) or not args:
+        raise TypeError(
+            "precision_report(loss_fn, params, *batch): loss_fn must be callable "
+            f"and params given, got {type(loss_fn).__name__} and {len(args)} args."
+        )
+    if not (isinstance(group_depth, int) and group_depth >= 1):
+        raise ValueError(
+            f"precision_report(group_depth=...) must be an int >= 1, got "
+            f"{group_depth!r}; 1 groups parameters by their top-level keys."
+        )
+    cd = canonical_dtype(compute_dtype, argname="compute_dtype")
+    scale = float(loss_scale or (2.0**15 if cd == np.float16 else 1.0))
+    cache: dict = {}
+    walk = _walk(loss_fn, args, kwargs, cd, amp_policy, has_aux, cache, scale)
+    sites, cts, g32, loss32, back_all = walk
+    reduced = [_format(st, cache)[1] for st in sites]
+    norm = sum(_sq(x) for x in g32) ** 0.5
+    records = [
+        _record(_site_meta(st, cache), [*_site_stats(st, g, r), bk], norm)
+        for st, g, r, bk in zip(sites, cts, reduced, back_all)
+    ]
+    runner = _precision_suggest.Runner(
+        loss_fn, args, kwargs, cd, amp_policy, has_aux, scale, g32, loss32,
+        amp_gradients,
+    )  # fmt: skip
+    return _assemble(runner, records, group_depth)
+
+
+def _assemble(runner: Any, records: list, group_depth: int) -> PrecisionReport:
+    """The report: amp's measured gradient (one jitted step) against float32's
+    per parameter group, the records, the runner for ``suggest``."""
+    r = runner
+    lossa, ga = amp_gradients(
+        r.fn, r.args, r.kwargs, r.compute_dtype, r.policy, r.has_aux, r.scale
+    )
+    params = eqx.filter(r.args[0], eqx.is_array)
+    names = [
+        n
+        for n, x in zip(_leaf_paths(params, group_depth), jax.tree.leaves(params))
+        if is_float(x.dtype)
+    ]
+    tree = jax.tree.structure(eqx.filter(params, lambda x: is_float(x.dtype)))
+    return PrecisionReport(
+        records=records,
+        loss32=r.loss32,
+        loss=lossa,
+        grad_errors=group_errors(ga, r.g32, names),
+        compute_dtype=np.dtype(r.compute_dtype).name,
+        grads=jax.tree.unflatten(tree, ga),
+        grads32=jax.tree.unflatten(tree, r.g32),
+        runner=r,
+    )
+
+
+def _walk(fn, args, kwargs, cd, policy, has_aux, cache, scale):
+    """Trace ``fn``; the differential walk's sites, their float32
+    cotangents, the float32 gradient (leaves of ``args[0]``'s float arrays)
+    and the float32 loss."""
+    dynamic, static = eqx.partition((args, kwargs), eqx.is_array)
+    leaves, treedef = jax.tree_util.tree_flatten(dynamic)
+    n0 = len(jax.tree.leaves(eqx.filter(args[0], eqx.is_array)))
+    wrt = [i for i in range(n0) if is_float(leaves[i].dtype)]
+
+    def flat(*xs):
+        a, kw = eqx.combine(jax.tree_util.tree_unflatten(treedef, xs), static)
+        out = fn(*a, **kw)
+        loss = out[0] if has_aux else out
+        if not (jnp.ndim(loss) == 0 and jnp.issubdtype(loss.dtype, jnp.floating)):
+            raise ValueError(
+                "precision_report: loss_fn must return a float scalar (or "
+                f"(loss, aux) with has_aux=True), got {jax.typeof(loss)}."
+            )
+        return [loss]
+
+    core, consts = _compat.jaxpr_parts(jax.make_jaxpr(flat)(*leaves))
+    ctx = AmpContext(cd, AmpPolicy(policy), DEFAULT_PIPELINE)
+    edge = ((0,) * len(core.outvars), None)
+    reduced = lambda site: _format(site, cache)[1]  # noqa: E731
+    return _compiled_walk(core, consts, leaves, wrt, ctx, edge, reduced, scale)
+
+
+_FIELDS = ("x32", "y32", "local", "amp")
+# The analysis runs once: XLA:CPU's LLVM optimisations would cost more compile
+# time than they save (the rounding of each operation is XLA's, not LLVM's).
+_FAST_COMPILE = {"xla_backend_optimization_level": 0}
+
+
+def _compiled_walk(core, consts, leaves, wrt, ctx, edge, reduced, scale):
+    """One compiled function: the differential walk, the probe pass and every
+    reduced site's backward error. Returns the sites (their values concrete,
+    read back from its outputs), their cotangents, the float32 gradient, the
+    float32 loss and the backward errors."""
+    box: list = []
+    index: dict = {}  # id of a traced value -> its position in the outputs
+
+    def run(xs):
+        visitor = DiffVisitor(reduced)
+        pairs, cpairs = [(x, x) for x in xs], [(c, c) for c in consts]
+        out = traverse(visitor, core, cpairs, pairs, ctx, edge)
+        cts, g32 = probe_cotangents(core, consts, xs, wrt, ctx, edge)
+        sites = visitor.sites
+        box.append(sites)
+        back = backward_errors(sites, cts, [reduced(st) for st in sites], scale)
+        vals = [v for st in sites for f in _FIELDS for v in getattr(st, f)]
+        traced = list({id(v): v for v in vals if _traced(v)}.values())
+        index.update((id(v), k) for k, v in enumerate(traced))
+        return [out[0][0], back, cts, g32, traced]
+
+    compiled = jax.jit(run).lower(leaves).compile(_FAST_COMPILE)
+    loss32, back, cts, g32, vals = compiled(leaves)
+    for site in box[0]:
+        for field in _FIELDS:
+            got = [
+                vals[index[id(v)]] if _traced(v) else v for v in getattr(site, field)
+            ]
+            setattr(site, field, got)
+    back = np.asarray(back, np.float64)
+    return box[0], cts, g32, float(loss32), back
+
+
+def _traced(v: Any) -> bool:
+    return _compat.is_tracer(v)
+
+
+@dataclasses.dataclass
+class PrecisionReport:
+    """What :func:`jaxamp.precision_report` found.
+
+    Attributes:
+        records: one :class:`SiteRecord` per equation instance, in order.
+        loss32: the float32 loss.
+        loss: amp's loss.
+        grad_errors: ``{"total": e, group: e, ...}``, amp's gradient relative
+            L2 error against float32's, per parameter group.
+        compute_dtype: amp's compute dtype name.
+        grads: amp's gradient w.r.t. ``args[0]``'s float arrays (its
+            structure, other leaves None).
+        grads32: float32's gradient, the same structure.
+    """
+
+    records: list
+    loss32: float
+    loss: float
+    grad_errors: dict
+    compute_dtype: str
+    grads: Any = None
+    grads32: Any = None
+    runner: Any = dataclasses.field(default=None, repr=False)
+
+    @property
+    def grad_error(self) -> float:
+        """amp's gradient relative L2 error against float32's."""
+        return self.grad_errors["total"]
+
+    @property
+    def loss_error(self) -> float:
+        """``|loss_amp - loss_32| / |loss_32|``."""
+        return abs(self.loss - self.loss32) / max(abs(self.loss32), 1e-30)
+
+    def scopes(self, by: str = "grad") -> dict[str, float]:
+        """``{scope path: share}``, largest first: the sites' gradient
+        (``by="grad"``, added in quadrature) or loss (``by="loss"``, summed)
+        shares per ``named_scope`` path."""
+        if by not in ("grad", "loss"):
+            raise ValueError(f"scopes(by=...) is 'grad' or 'loss', got {by!r}.")
+        out: dict[str, float] = {}
+        for r in self.records:
+            if by == "grad":
+                out[r.scope] = out.get(r.scope, 0.0) + r.grad_share**2
+            else:
+                out[r.scope] = out.get(r.scope, 0.0) + r.loss_share
+        if by == "grad":
+            out = {k: v**0.5 for k, v in out.items()}
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+    def top(self, k: int = 5, by: str = "grad") -> list[str]:
+        """The ``k`` scope paths with the largest share of the gradient
+        (``by="grad"``) or loss (``by="loss"``) error, largest first."""
+        return list(self.scopes(by))[:k]
+
+    def suggest(
+        self,
+        grad_error: float | None = None,
+        loss_error: float | None = None,
+        max_overrides: int = 8,
+    ):
+        """The smallest set of scope overrides meeting the targets, chosen
+        greedily by :meth:`top` and verified by re-running amp; see
+        :func:`jaxamp._tools._precision_suggest.suggest`."""
+        return _precision_suggest.suggest(self, grad_error, loss_error, max_overrides)
+
+    def to_json(self) -> dict:
+        """The report as a JSON-serialisable dict."""
+        return _precision_plot.to_json(self)
+
+    def save(self, directory: str) -> tuple[str, str]:
+        """Write ``precision_report.json`` and ``precision_report.png`` (a
+        heatmap of scopes x op groups and the ranking; needs matplotlib) into
+        ``directory``; returns their paths."""
+        return _precision_plot.save(self, directory)
+
+    def __str__(self) -> str:
+        return _precision_plot.text(self)

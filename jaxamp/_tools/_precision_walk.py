@@ -1,0 +1,345 @@
+"""The differential walk of :func:`jaxamp.precision_report`.
+
+One traversal of the float32 jaxpr, equation by equation in Python:
+calls (``jit``, ``remat``, ``custom_jvp``/``custom_vjp`` primal bodies) are
+inlined, loops with a static trip count (a ``lax.scan``) unrolled, each
+iteration's equations sites of their own, as the primitives' registered
+descriptions (``_base/_structure.py``) say; any other equation with
+sub-jaxprs (a while loop, a conditional, ``shard_map``) is one site, run
+whole. Every value is carried twice: as float32
+computes it and as amp computes it. Each first-order equation (a *site*) is
+bound three times:
+
+* in float32 on the float32 inputs (the reference);
+* by jaxamp's own interpreter step (:meth:`jaxamp._walk._loop.Walk.run_eqn`:
+  the policy's rule under the equation's value facts and ``named_scope``
+  path) on amp's inputs: the *propagated* value;
+* by the same step on the float32 inputs: the *local* value, what PyTorch's
+  numeric-suite shadow logger measures (``torch.ao.ns._numeric_suite_fx``
+  ``add_shadow_loggers``).
+
+The same traversal, run on float32 values only under ``jax.grad`` with a zero
+*probe* added to every site's outputs, gives every site's float32 cotangent
+``dL/dy`` in one backward pass (:func:`probe_cotangents`).
+
+Pattern rewrites (fused attention, the RMSNorm region) are not replayed: their
+equations are walked one by one under the per-equation rules, whose value
+facts keep the same equations in float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import _compat
+from .._base import _state
+from .._base._cast import restore
+from .._base._dtypes import is_float
+from .._base._jaxpr import bind_eqn, is_var, read
+from .._base._structure import Structure, describe, runs_whole
+from .._values import _facts
+from .._walk._loop import AmpContext, Walk, check_rule_result
+
+
+@dataclasses.dataclass
+class Site:
+    """One first-order equation instance (a scan iteration's own).
+
+    Attributes:
+        eqn: the float32 jaxpr's equation.
+        facts: its value facts (the rules read them).
+        ctx: the amp context it runs under (scopes of the enclosing equations).
+        scopes: its full ``named_scope`` path, outermost first.
+        iteration: the enclosing ``scan`` iterations, outermost first.
+        x32: its float32 inputs.
+        y32: its float32 outputs.
+        local: the amp step's outputs on ``x32``.
+        amp: the amp step's outputs on amp's inputs.
+    """
+
+    eqn: Any
+    facts: Any
+    ctx: AmpContext
+    scopes: tuple
+    iteration: tuple
+    x32: list
+    y32: list
+    local: list
+    amp: list
+
+    def run_amp(self, invals: list) -> list:
+        """The amp interpreter step on ``invals`` (a list of outputs)."""
+        return amp_step(self.eqn, self.facts, self.ctx, invals)
+
+
+def amp_step(eqn: Any, facts: Any, ctx: AmpContext, invals: list) -> list:
+    """Bind ``eqn`` as jaxamp's walk does, on ``invals``."""
+    jaxpr = _OneEqn(eqn)
+    env = {v: x for v, x in zip(eqn.invars, invals) if is_var(v)}
+    Walk(jaxpr, (facts,), env, ctx).run_eqn(0)
+    return [read(env, v) for v in eqn.outvars]
+
+
+@dataclasses.dataclass(frozen=True)
+class _OneEqn:
+    eqn: Any
+
+    @property
+    def eqns(self) -> tuple:
+        return (self.eqn,)
+
+
+def _float_outs(outs: list) -> list[int]:
+    return [i for i, y in enumerate(outs) if is_float(getattr(y, "dtype", None))]
+
+
+class _Visitor:
+    """What the traversal does with values: pairs (float32, amp) in the
+    differential walk, float32 tracers in the probe pass."""
+
+    def leaf(self, eqn, facts, ctx, scopes, iteration, invals) -> list:
+        raise NotImplementedError
+
+    def carry(self, eqn, facts, ctx, carries) -> list:
+        return carries
+
+    def lift(self, literal):
+        return literal
+
+    def restore(self, val, aval):
+        return val
+
+    def index(self, val, t: int):
+        return val[t]
+
+    def stack(self, vals: list):
+        return jnp.stack(vals)
+
+
+class DiffVisitor(_Visitor):
+    """Values are ``(float32, amp)`` pairs; records a :class:`Site` per leaf."""
+
+    def __init__(self, reduced: Callable[[Site], bool]):
+        self.sites: list[Site] = []
+        self.reduced = reduced
+
+    def leaf(self, eqn, facts, ctx, scopes, iteration, invals):
+        x32 = [v[0] for v in invals]
+        xa = [v[1] for v in invals]
+        y32 = bind_eqn(eqn, x32)
+        ya = amp_step(eqn, facts, ctx, xa)
+        site = Site(eqn, facts, ctx, scopes, iteration, x32, y32, y32, ya)
+        if self.reduced(site):  # else amp's step on x32 is float32's
+            site.local = amp_step(eqn, facts, ctx, x32)
+        self.sites.append(site)
+        return list(zip(y32, ya))
+
+    def carry(self, eqn, facts, ctx, carries):
+        # The policy's rule for scan chooses amp's carry dtypes (bfloat16
+        # residual streams), as the interpreter's scan rule does.
+        rule = ctx.policy.lookup(eqn.primitive, ctx.scopes)
+        with _state.updated(facts=facts):
+            amp_c = [c[1] for c in carries]
+            result = rule(ctx.compute_dtype, [c[0].dtype for c in carries], *amp_c)
+        amp_c, _ = check_rule_result(result, eqn.primitive, rule, len(carries))
+        return [(c[0], a) for c, a in zip(carries, amp_c)]
+
+    def lift(self, literal):
+        return (literal, literal)
+
+    def restore(self, val, aval):
+        return (val[0], restore(val[1], aval))
+
+    def index(self, val, t):
+        return (val[0][t], val[1][t])
+
+    def stack(self, vals):
+        return (jnp.stack([v[0] for v in vals]), jnp.stack([v[1] for v in vals]))
+
+
+class ProbeVisitor(_Visitor):
+    """Float32 values; adds ``probes[k]`` to the float outputs of the k-th
+    leaf (the order of :class:`DiffVisitor`'s sites)."""
+
+    def __init__(self, probes: list | None):
+        self.probes = probes
+        self.shapes: list[list] = []
+
+    def leaf(self, eqn, facts, ctx, scopes, iteration, invals):
+        outs = bind_eqn(eqn, invals)
+        k = len(self.shapes)
+        self.shapes.append([jax.typeof(outs[i]) for i in _float_outs(outs)])
+        if self.probes is not None:
+            for j, i in enumerate(_float_outs(outs)):
+                outs[i] = outs[i] + self.probes[k][j]
+        return outs
+
+
+def traverse(
+    visitor: _Visitor,
+    jaxpr: Any,
+    consts: list,
+    args: list,
+    ctx: AmpContext,
+    boundary: tuple | None,
+    iteration: tuple = (),
+) -> list:
+    """Evaluate open ``jaxpr`` through ``visitor`` (see the module docstring)."""
+    facts = _facts.with_boundary(jaxpr, boundary, ctx.pipeline.ignore_facts)
+    env = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    for eqn, f in zip(jaxpr.eqns, facts):
+        invals = [
+            read(env, v) if is_var(v) else visitor.lift(read(env, v))
+            for v in eqn.invars
+        ]
+        scopes = ctx.scopes + _compat.scope_names(eqn)
+        inner = ctx.inside(scopes)
+        structure = None if runs_whole(eqn) else describe(eqn)
+        if structure is not None and structure.call:
+            sub = structure.subs[0].jaxpr
+            core, sc = _compat.jaxpr_parts(sub)
+            outs = traverse(
+                visitor, core, sc, invals, inner, f.boundary_for(sub), iteration
+            )
+            outs = [visitor.restore(o, v.aval) for o, v in zip(outs, eqn.outvars)]
+        elif structure is not None and structure.unrollable and structure.trips:
+            outs = _unroll(visitor, eqn, structure, f, invals, inner, iteration)
+        else:  # first-order, or run whole (a while loop, a conditional, ...)
+            outs = visitor.leaf(eqn, f, ctx, scopes, iteration, invals)
+        env.update(zip(eqn.outvars, outs))
+    return [
+        read(env, v) if is_var(v) else visitor.lift(read(env, v)) for v in jaxpr.outvars
+    ]
+
+
+def _unroll(
+    visitor, eqn, structure: Structure, f, invals, ctx, iteration
+) -> list:
+    """A loop's iterations traversed one by one, as its description says:
+    operands sliced or whole, carries fed back, outputs stacked or last."""
+    (sub,) = structure.subs
+    core, sc = _compat.jaxpr_parts(sub.jaxpr)
+    args = [invals[i] for i in sub.inputs]
+    carried = [j for _, j in sub.carries]
+    first = visitor.carry(eqn, f, ctx, [args[j] for j in carried])
+    for j, c in zip(carried, first):
+        args[j] = c
+    boundary = f.boundary_for(sub.jaxpr)
+    steps = range(structure.trips)
+    ys = []
+    for t in reversed(steps) if structure.reverse else steps:
+        step = [
+            visitor.index(x, t) if j in sub.sliced else x for j, x in enumerate(args)
+        ]
+        outs = traverse(visitor, core, sc, step, ctx, boundary, (*iteration, t))
+        for k, j in sub.carries:
+            args[j] = outs[k]
+        ys.append(outs)
+    if structure.reverse:
+        ys.reverse()
+    last = ys[-1] if not structure.reverse else ys[0]
+    result: list = [None] * len(eqn.outvars)
+    for k, o in enumerate(sub.outputs):
+        if o is None:
+            continue
+        if k in sub.stacked:
+            result[o] = visitor.stack([y[k] for y in ys])
+        else:
+            result[o] = visitor.restore(last[k], eqn.outvars[o].aval)
+    return result
+
+
+def probe_cotangents(
+    core: Any,
+    consts: list,
+    leaves: list,
+    wrt: list[int],
+    ctx: AmpContext,
+    edge: tuple,
+) -> tuple[list[list], list]:
+    """Every site's float32 cotangent ``dL/dy`` (its float outputs) and the
+    float32 gradient w.r.t. ``leaves[i]`` for ``i`` in ``wrt``, from one
+    backward pass through the traversal with zero probes added.
+
+    Args:
+        core: the float32 jaxpr of the flattened function (loss first).
+        consts: its constants.
+        leaves: its float32 inputs.
+        wrt: indices of the leaves to differentiate (the parameters).
+        ctx: the amp context (only its pipeline is read: the facts).
+        edge: the facts boundary of the function's outputs.
+
+    Returns:
+        ``(cotangents, gradient)``: per site (:class:`DiffVisitor` order), per
+        float output, the cotangent; the gradient per ``wrt`` leaf.
+    """
+    shapes_v = ProbeVisitor(None)
+    jax.eval_shape(
+        lambda *xs: traverse(shapes_v, core, consts, list(xs), ctx, edge), *leaves
+    )
+    zeros = [[jnp.zeros(a.shape, a.dtype) for a in s] for s in shapes_v.shapes]
+
+    def loss(params, probes):
+        args = list(leaves)
+        for i, p in zip(wrt, params):
+            args[i] = p
+        out = traverse(ProbeVisitor(probes), core, consts, args, ctx, edge)
+        return out[0].astype(jnp.float32)
+
+    grads, cts = jax.grad(loss, (0, 1))([leaves[i] for i in wrt], zeros)
+    return cts, grads
+
+
+def _float_inputs(site: Site) -> list[int]:
+    return [i for i, x in enumerate(site.x32) if is_float(getattr(x, "dtype", None))]
+
+
+def vjp_error(site: Site, prim: list, g: list, scale: float) -> jax.Array:
+    """``|amp VJP - float32 VJP|`` (L2 over the float inputs, a float32
+    scalar) of ``site``'s equation at its float32 inputs (``prim``: the float
+    ones), for cotangent ``g`` of its float outputs: the equation's local
+    backward-pass error. ``scale`` (a float16 loss scale) multiplies ``g``
+    for amp's VJP and divides its result, as loss scaling does."""
+    idx = _float_inputs(site)
+    fo = _float_outs(site.y32)
+
+    def call(fn: Callable) -> Callable:
+        def f(*xs):
+            args = list(site.x32)
+            for i, x in zip(idx, xs):
+                args[i] = x
+            outs = fn(args)
+            return [outs[i].astype(jnp.float32) for i in fo]
+
+        return f
+
+    _, v32 = jax.vjp(call(lambda a: bind_eqn(site.eqn, a)), *prim)
+    _, va = jax.vjp(call(site.run_amp), *prim)
+    ct32 = v32(list(g))
+    cta = va([x * np.float32(scale) for x in g])
+    err = sum(
+        jnp.sum(jnp.square(a.astype(jnp.float32) / np.float32(scale) - b))
+        for a, b in zip(cta, ct32)
+    )
+    return jnp.sqrt(err)
+
+
+def backward_errors(
+    sites: list[Site], cts: list, chosen: list[bool], scale: float
+) -> jax.Array:
+    """:func:`vjp_error` of each site where ``chosen`` (0 elsewhere, and for
+    a site without float inputs or outputs), a float32 vector."""
+    out = [
+        vjp_error(st, [st.x32[i] for i in _float_inputs(st)], g, scale)
+        if c and _float_inputs(st) and _float_outs(st.y32)
+        else jnp.float32(0)
+        for st, g, c in zip(sites, cts, chosen)
+    ]
+    return jnp.stack(out) if out else jnp.zeros((0,), jnp.float32)

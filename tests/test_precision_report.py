@@ -1,0 +1,355 @@
+"""``jaxamp.precision_report``: where low precision loses accuracy, per scope,
+and a verified policy change that wins it back; the 8-bit policies keep the
+loss-feeding matmul in the compute dtype by default."""
+
+import json
+import sys
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import round_bf16
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import jaxamp
+
+ROOT = Path(__file__).resolve().parents[1]
+BF16 = jnp.bfloat16
+D, T, B, V, L = 16, 8, 2, 32, 3
+
+
+def _ln(x):
+    m = x.mean(-1, keepdims=True)
+    v = jnp.square(x - m).mean(-1, keepdims=True)
+    return (x - m) * jax.lax.rsqrt(v + 1e-5)
+
+
+def _gpt_params(key, scale=1.0):
+    ks = jax.random.split(key, 6)
+    n = lambda k, s, sc: jax.random.normal(k, s) * sc * scale  # noqa: E731
+    layers = [
+        {
+            "qkv": n(jax.random.fold_in(ks[0], i), (D, 3 * D), D**-0.5),
+            "o": n(jax.random.fold_in(ks[1], i), (D, D), D**-0.5),
+            "up": n(jax.random.fold_in(ks[2], i), (D, 4 * D), D**-0.5),
+            "down": n(jax.random.fold_in(ks[3], i), (4 * D, D), (4 * D) ** -0.5),
+        }
+        for i in range(L)
+    ]
+    params = {"emb": n(ks[4], (V, D), 1.0), "layers": layers}
+    params["head"] = n(ks[5], (D, V), D**-0.5)
+    return round_bf16(params)
+
+
+def _block(h, w, mlp_scope):
+    with jax.named_scope("attn"):
+        q, k, v = jnp.split(_ln(h) @ w["qkv"], 3, -1)
+        s = q @ k.swapaxes(-1, -2) / np.float32(D**0.5)
+        h = h + jax.nn.softmax(s, -1) @ v @ w["o"]
+    with jax.named_scope(mlp_scope):
+        return h + jax.nn.gelu(_ln(h) @ w["up"]) @ w["down"]
+
+
+def _xent(logits, y):
+    gold = jnp.take_along_axis(logits, y[..., None], -1)[..., 0]
+    return (jax.nn.logsumexp(logits, -1) - gold).mean()
+
+
+def _gpt_loss(mlp_scope):
+    def loss(p, x, y):
+        h = p["emb"][x]
+        for i, w in enumerate(p["layers"]):
+            with jax.named_scope(f"layer{i}"):
+                h = _block(h, w, mlp_scope(i))
+        with jax.named_scope("head"):
+            logits = _ln(h) @ p["head"]
+        return _xent(logits, y)
+
+    return loss
+
+
+def _batch(seed=1):
+    tok = jax.random.randint(jax.random.key(seed), (B, T + 1), 0, V)
+    return tok[:, :-1], tok[:, 1:]
+
+
+def _fp8_one_mlp(key, scope):
+    fp8 = jaxamp.fp8_policy(size_rule=None)
+    return {**jaxamp.default_amp_policy, key: fp8}, scope
+
+
+@pytest.mark.parametrize("path_keys", [False, True])
+def test_fp8_in_one_mlp_is_found_and_fixed(path_keys):
+    # bf16 everywhere but FP8 (every matmul, forward and backward) in layer 2's
+    # MLP: the ranking names that MLP, and one override meets 1.5x bf16's error.
+    mlp = (lambda i: "mlp") if path_keys else (lambda i: f"layer{i}_mlp")
+    key = "layer2/mlp" if path_keys else "layer2_mlp"
+    loss = _gpt_loss(mlp)
+    params, (x, y) = _gpt_params(jax.random.key(0)), _batch()
+    policy = {**jaxamp.default_amp_policy, key: jaxamp.fp8_policy(size_rule=None)}
+    report = jaxamp.precision_report(loss, params, x, y, amp_policy=policy)
+    assert report.top(1) == ["layer2/" + mlp(2)]
+    fp8 = [r for r in report.records if r.format.startswith("float8")]
+    assert fp8 and {r.scope for r in fp8} == {"layer2/" + mlp(2)}
+    bf16_error, _ = report.runner.errors(jaxamp.default_amp_policy)
+    assert report.grad_error > 2 * bf16_error  # FP8's error is visible at all
+    fix = report.suggest(grad_error=1.5 * bf16_error)
+    assert fix.met and 1 <= len(fix.overrides) <= 2
+    assert list(fix.overrides)[0] == key
+    assert fix.overrides[key] == "compute dtype"
+    assert fix.grad_error <= 1.5 * bf16_error
+    assert 0 < fix.eight_bit_moved <= 1 and fix.low_precision_moved == 0
+    # The verified policy is what amp then runs: the MLP's matmuls leave FP8.
+    got = jaxamp.quantization_report(
+        jaxamp.amp(loss, compute_dtype=BF16, amp_policy=fix.policy), params, x, y
+    )
+    assert all(r.format != "fp8" for r in got)
+
+
+def test_scanned_int8_gpt_names_the_head_as_the_breakdown_found():
+    # RESULTS_QUANT (c) found by hand that int8's largest gradient error is the
+    # head's; the report finds it from one backward pass, and its per-group
+    # gradient errors are benchmarks/quantized.py --error-breakdown's numbers.
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import quantized
+    import run as gpt_bench
+
+    params, x, y = gpt_bench.init("tiny")
+    scoped = quantized.scoped_loss("tiny")
+
+    def loss(p, x, y):
+        return scoped({k: v for k, v in p.items() if k != "head"}, p["head"], x, y)
+
+    both = {**params, "head": params["emb"]}
+    policy = jaxamp.int8_policy(size_rule=None, quantize_last_matmul=True)
+    report = jaxamp.precision_report(loss, both, x, y, amp_policy=policy)
+    assert report.top(1) == ["head"]
+    iters = {r.iteration for r in report.records if r.scope == "mlp"}
+    assert iters == {(i,) for i in range(gpt_bench.SIZES["tiny"][1])}
+
+    split = lambda g: ({k: v for k, v in g.items() if k != "head"}, g["head"])  # noqa: E731
+    ours = quantized._group_errors(split(report.grads), split(report.grads32))
+    amp_loss = jaxamp.amp(loss, compute_dtype=BF16, amp_policy=policy)
+    theirs = quantized._group_errors(
+        split(jax.jit(jax.grad(amp_loss))(both, x, y)),
+        split(jax.jit(jax.grad(loss))(both, x, y)),
+    )
+    for group in quantized.GROUPS:
+        np.testing.assert_allclose(ours[group], theirs[group], rtol=2e-2)
+    np.testing.assert_allclose(report.grad_errors["head"], theirs["head"], rtol=2e-2)
+
+
+def test_int8_keeps_the_loss_feeding_matmul_in_the_compute_dtype(tmp_path):
+    # The main job's model: every product in int8 but the head (tied embedding,
+    # no named scope), which the value facts see feeding the loss.
+    sys.path.insert(0, str(ROOT / "examples"))
+    import train_charlm as charlm
+
+    cfg = charlm.Config(d_model=16, layers=1, heads=2, seq_len=8, batch_size=2)
+    params = charlm.init_params(jax.random.key(0), cfg)
+    x, y = _batch()
+
+    def recs(**kw):
+        f = jaxamp.amp(
+            lambda p, x, y: charlm.loss_fn(p, x, y, cfg.heads),
+            compute_dtype=BF16,
+            amp_policy=jaxamp.int8_policy(size_rule=None, **kw),
+        )
+        return [
+            r for r in jaxamp.quantization_report(f, params, x, y) if r.shape[0] == 1
+        ]
+
+    default, last = recs(), recs(quantize_last_matmul=True)
+    head = [r for r in default if r.shape[3] == 256]
+    assert len(head) == 1
+    assert head[0].format == "bfloat16"
+    assert head[0].reason == "feeds the loss: kept in the compute dtype"
+    assert {r.format for r in default if r.shape[3] != 256} == {"int8"}
+    assert {r.format for r in last} == {"int8"}
+    # The head's logits keep a float32 result, as under the default policy.
+    jaxpr = jax.make_jaxpr(
+        jaxamp.amp(
+            lambda p, x: charlm.forward(p, x, cfg.heads),
+            compute_dtype=BF16,
+            amp_policy=jaxamp.int8_policy(size_rule=None),
+        )
+    )(params, x)
+    assert jaxpr.out_avals[0].dtype == jnp.float32
+    fp8 = jaxamp.amp(
+        lambda p, x, y: charlm.loss_fn(p, x, y, cfg.heads),
+        compute_dtype=BF16,
+        amp_policy=jaxamp.fp8_policy(size_rule=None),
+    )
+    fmts = [r.format for r in jaxamp.quantization_report(fp8, params, x, y)]
+    assert "bfloat16" in fmts and "fp8" in fmts
+    # The main job's --report: the report of its model in int8, JSON and PNG.
+    cfg.report_dir = str(tmp_path)
+    got = charlm.precision_report("int8", cfg, params, x, y)
+    assert got["dir"] == str(tmp_path / "precision_int8")
+    saved = json.loads(
+        (tmp_path / "precision_int8" / "precision_report.json").read_text()
+    )
+    heads = [r for r in saved["records"] if r["scope"] == "head"]
+    assert {r["format"] for r in heads if r["primitive"] == "dot_general"} == {
+        "bfloat16"
+    }
+    assert {"attn", "mlp", "head"} <= set(got["top"])
+    assert (tmp_path / "precision_int8" / "precision_report.png").stat().st_size > 1000
+    assert charlm.precision_report("fp32", cfg, params, x, y) is None
+
+
+def test_scan_remat_text_json_and_png(tmp_path):
+    # Layers as a checkpointed scan body: one site per equation and iteration,
+    # a plain-text table, a JSON file and a PNG.
+    params = _gpt_params(jax.random.key(3))
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *params["layers"])
+
+    def loss(p, x, y):
+        @jax.checkpoint
+        def body(h, w):
+            with jax.named_scope("block"):
+                return _block(h, w, "mlp"), None
+
+        h, _ = jax.lax.scan(body, p["emb"][x], p["layers"])
+        with jax.named_scope("head"):
+            return _xent(_ln(h) @ p["head"], y)
+
+    x, y = _batch()
+    p = {**params, "layers": stacked}
+    report = jaxamp.precision_report(loss, p, x, y, group_depth=2)
+    scopes = {r.scope for r in report.records}
+    assert {"block/attn", "block/mlp", "head"} <= scopes
+    assert {r.iteration for r in report.records if r.scope == "block/mlp"} == {
+        (0,),
+        (1,),
+        (2,),
+    }
+    # bf16 rounding: local errors of the matmuls near bf16's unit roundoff.
+    dots = [r for r in report.records if r.primitive == "dot_general"]
+    assert all(r.format == "bfloat16" for r in dots)
+    assert all(1e-4 < r.local_error < 2e-2 for r in dots)
+    assert set(report.grad_errors) == {
+        "total",
+        "emb",
+        "head",
+        *(f"layers/{k}" for k in ("qkv", "o", "up", "down")),
+    }
+    assert 1e-4 < report.grad_error < 5e-2
+    text = str(report)
+    assert "block/mlp" in text and "gradient error" in text
+    jpath, ppath = report.save(str(tmp_path))
+    data = json.loads(Path(jpath).read_text())
+    assert data["grad_errors"]["total"] == pytest.approx(report.grad_error)
+    assert list(data["ranking_grad"]) == list(report.scopes("grad"))
+    assert Path(ppath).read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+def test_float16_loss_scaling_counts_underflow_and_overflow():
+    # float16 with a static loss scale: gradients of tiny activations underflow
+    # without it. A value of 7e4 overflows float16 (max 65504): the record says
+    # so, with its peak against the format's maximum.
+    w = jnp.full((4, 4), 256.0)
+
+    def loss(w, x):
+        with jax.named_scope("big"):
+            h = x @ w
+        with jax.named_scope("small"):
+            s = (x * np.float32(1e-10)) @ w
+        with jax.named_scope("out"):
+            h = jnp.tanh(h / np.float32(1e5)) @ w + (s * np.float32(1e5)) @ w
+        return jnp.mean(h)
+
+    x = jnp.full((2, 4), 70.0)
+    report = jaxamp.precision_report(loss, w, x, compute_dtype=jnp.float16)
+    big = [
+        r for r in report.records if r.scope == "big" and r.primitive == "dot_general"
+    ]
+    small = [
+        r for r in report.records if r.scope == "small" and r.primitive == "dot_general"
+    ]
+    assert big[0].overflow == 1.0 and big[0].peak == pytest.approx(4 * 70 * 256)
+    assert big[0].format_max == 65504.0
+    assert small[0].underflow == 1.0
+    assert report.top(1) == ["big"]
+    with pytest.raises(ValueError, match="target"):
+        report.suggest()
+    with pytest.raises(ValueError, match="grad_error"):
+        report.suggest(grad_error=-1.0)
+
+
+def test_shard_map_equinox_and_nnx_models():
+    mesh = Mesh(np.array(jax.devices()[:2]), ("batch",))
+    w = round_bf16(jax.random.normal(jax.random.key(0), (8, 8)))
+
+    def dp_loss(w, x):
+        def local(w, x):
+            with jax.named_scope("dp"):
+                return jax.lax.pmean(jnp.mean(jnp.tanh(x @ w) ** 2), "batch")
+
+        return jax.shard_map(
+            local, mesh=mesh, in_specs=(P(), P("batch")), out_specs=P()
+        )(w, x)
+
+    x = round_bf16(jax.random.normal(jax.random.key(1), (4, 8)) * 3)
+    report = jaxamp.precision_report(dp_loss, w, x)
+    assert [r.primitive for r in report.records if r.primitive == "shard_map"]
+    assert 1e-4 < report.grad_error < 5e-2
+
+    mlp = eqx.nn.MLP(8, 8, 16, 2, key=jax.random.key(2))
+    arrays, rest = eqx.partition(mlp, eqx.is_array)
+    mlp = eqx.combine(round_bf16(arrays), rest)
+    eqx_loss = lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2)  # noqa: E731
+    report = jaxamp.precision_report(eqx_loss, mlp, x)
+    assert set(report.grad_errors) == {"total", "layers"}
+    assert 1e-4 < report.grad_errors["layers"] < 5e-2
+
+    model = nnx.Linear(8, 8, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    nnx_loss = lambda s, x: jnp.mean(nnx.merge(graphdef, s)(x) ** 2)  # noqa: E731
+    report = jaxamp.precision_report(nnx_loss, round_bf16(state), x)
+    assert set(report.grad_errors) == {"total", "bias", "kernel"}
+    assert 1e-4 < report.grad_error < 5e-2
+
+
+def test_bad_input_raises():
+    with pytest.raises(TypeError, match="callable"):
+        jaxamp.precision_report(3, jnp.ones(2))
+    with pytest.raises(ValueError, match="float scalar"):
+        jaxamp.precision_report(lambda w: w * 2, jnp.ones(2))
+    with pytest.raises(ValueError, match="group_depth"):
+        jaxamp.precision_report(lambda w: w.sum(), jnp.ones(2), group_depth=0)
+
+
+def test_custom_vjp_primal_body_is_walked():
+    @jax.custom_vjp
+    def f(x, w):
+        return jnp.tanh(x @ w)
+
+    def fwd(x, w):
+        y = f(x, w)
+        return y, (x, w, y)
+
+    def bwd(res, g):
+        x, w, y = res
+        d = g * (1 - y * y)
+        return d @ w.T, x.T @ d
+
+    f.defvjp(fwd, bwd)
+
+    def loss(w, x):
+        with jax.named_scope("cv"):
+            return jnp.mean(f(x, w) @ w)
+
+    w = round_bf16(jax.random.normal(jax.random.key(0), (8, 8)))
+    x = round_bf16(jax.random.normal(jax.random.key(1), (4, 8)) * 30)
+    report = jaxamp.precision_report(loss, w, x)
+    prims = [(r.primitive, r.scope, r.format) for r in report.records]
+    assert prims[:2] == [("dot_general", "cv", "bfloat16"), ("tanh", "cv", "float32")]
+    assert report.top(1) == ["cv"]
+    assert 1e-4 < report.grad_error < 5e-2
