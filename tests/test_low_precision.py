@@ -249,8 +249,12 @@ def test_fsdp_sharded_and_unsharded_runs_are_bit_identical(state_dtype):
     assert len(out["w1"].addressable_shards) == 8
     assert _leaves_equal(ref, out) and _leaves_equal(ref_state, out_state)
     assert not _leaves_equal(ref, params)  # the run moved the parameters
-    kinds = {type(leaf).__name__ for leaf in jax.tree.leaves(
-        out_state.inner_state, is_leaf=lambda z: isinstance(z, BlockQuantized))}
+    kinds = {
+        type(leaf).__name__
+        for leaf in jax.tree.leaves(
+            out_state.inner_state, is_leaf=lambda z: isinstance(z, BlockQuantized)
+        )
+    }
     assert ("BlockQuantized" in kinds) == (state_dtype == "int8")
 
 
