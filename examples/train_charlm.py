@@ -313,7 +313,9 @@ def loss_fn(params: dict, x: jax.Array, y: jax.Array, heads: int) -> jax.Array:
         The loss in nats per byte, a float32 scalar.
     """
     logits = forward(params, x, heads)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    # float32 mean: a float32 loss for bfloat16 parameters too
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+    return ce.mean(dtype=jnp.float32)
 
 
 # ---------------------------------------------------------------------------
@@ -388,13 +390,18 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
         ``jaxamp.skip_nonfinite_updates`` (a step with non-finite gradients
         changes nothing and is counted; only float16 ever has one). With
         bfloat16 parameters and ``param_rounding`` other than ``"plain"``, the
-        chain runs inside ``jaxamp.low_precision_optimizer``.
+        chain runs inside ``jaxamp.low_precision_optimizer``. With
+        ``"plain"`` (the naive recipe) the chain is returned as is: optax's
+        AdamW returns float32 moments for bfloat16 parameters, so its state
+        changes dtype after the first step, which a skip ``cond`` cannot hold.
     """
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, cfg.lr, cfg.warmup, max(cfg.steps, cfg.warmup + 1), cfg.lr * 0.1
     )
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, 0.1))
-    if cfg.param_dtype == "bfloat16" and cfg.param_rounding != "plain":
+    if cfg.param_dtype == "bfloat16" and cfg.param_rounding == "plain":
+        return tx
+    if cfg.param_dtype == "bfloat16":
         state = {"bfloat16": jnp.bfloat16, "int8": "int8", "float32": None}
         tx = jaxamp.low_precision_optimizer(
             tx,
@@ -529,7 +536,7 @@ def train(
         "tokens_per_s": (cfg.steps - 2) * tokens_per_step / elapsed
         if cfg.steps > 2
         else None,
-        "skipped_steps": int(opt_state.skipped_steps),
+        "skipped_steps": int(getattr(opt_state, "skipped_steps", 0)),
         # amp's overflow_check (on for float16) turns a float16 overflow in the
         # forward pass into a NaN loss, so these steps are seen and skipped.
         "forward_overflows": int(sum(not math.isfinite(v) for v in losses)),

@@ -239,9 +239,21 @@ def _amp_call(ctx: AmpContext, check: bool, fn: Callable, args, kwargs) -> Any:
         for rewrite in ctx.pipeline.rewrites:
             if rewrite.tracing is not None:
                 stack.enter_context(rewrite.tracing())
+        avals = [jax.typeof(x) for x in leaves]
         closed = _compat.trace_to_closed_jaxpr(
-            flat_fn, [jax.typeof(x) for x in leaves], getattr(fn, "__name__", "amp")
+            flat_fn, avals, getattr(fn, "__name__", "amp")
         )
+        out_avals = [v.aval for v in _compat.jaxpr_parts(closed)[0].outvars]
+        wide = [_widened(a) for a in avals]
+        if wide != avals:
+            # bfloat16/float16 arguments (low-precision parameters) are the
+            # float32 values they hold: traced in float32, the policy keeps
+            # statistics, softmax and the loss chain in float32 as with float32
+            # parameters; each argument's cotangent is cast back to its dtype.
+            closed = _compat.trace_to_closed_jaxpr(
+                flat_fn, wide, getattr(fn, "__name__", "amp")
+            )
+            leaves = [restore(x, a) for x, a in zip(leaves, wide)]
     core, consts = _compat.jaxpr_parts(closed)
     with _overflow.checking(check), cast_cache(), jax.named_scope(AMP_REGION):
         # The arguments (parameters, batch) and closed-over values are held:
@@ -250,11 +262,21 @@ def _amp_call(ctx: AmpContext, check: bool, fn: Callable, args, kwargs) -> Any:
         # The outputs feed nothing in the function: no matmul, no softmax.
         edge = ((0,) * len(core.outvars), None)
         outs = eval_jaxpr(core, consts, leaves, ctx, held, True, edge)
-        outs = [restore(x, v.aval) for x, v in zip(outs, core.outvars)]
+        outs = [restore(x, a) for x, a in zip(outs, out_avals)]
     # A key the user wrote that matched nothing (a typo) warns.
     ctx.policy.warn_unmatched(getattr(fn, "__name__", "fn"))
     out_def, out_static = out_tree[0]
     return eqx.combine(jax.tree_util.tree_unflatten(out_def, outs), out_static)
+
+
+def _widened(aval: Any) -> Any:
+    """``aval`` with a float dtype narrower than float32 widened to float32."""
+    dtype = getattr(aval, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        return aval
+    if jnp.finfo(dtype).bits >= 32:
+        return aval
+    return aval.update(dtype=jnp.dtype(jnp.float32), weak_type=False)
 
 
 @contextlib.contextmanager

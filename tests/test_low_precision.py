@@ -418,3 +418,54 @@ def test_bad_input_raises():
         lp.init({"a": jnp.ones(3, jnp.float16)})
     with pytest.raises(ValueError, match="update needs params"):
         lp.update({"a": jnp.ones(3)}, lp.init({"a": jnp.ones(3)}))
+
+
+def _lm_loss(params, tokens, labels):
+    """Embedding, LayerNorm with gain and bias, softmax attention, tied logits."""
+    x = params["emb"][tokens]
+    mean = x.mean(-1, keepdims=True)
+    var = jnp.square(x - mean).mean(-1, keepdims=True)
+    h = (x - mean) * jax.lax.rsqrt(var + 1e-5) * params["gain"] + params["bias"]
+    att = jax.nn.softmax(h @ h.swapaxes(-1, -2) / 4.0, axis=-1)
+    h = att @ (h @ params["w"])
+    logits = h @ params["emb"].T
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def test_amp_with_bfloat16_parameters_keeps_statistics_and_loss_in_float32():
+    k = jax.random.split(jax.random.key(7), 4)
+    params = {  # activations in the hundreds, as in real training
+        "emb": (300.0 * jax.random.normal(k[0], (64, 16))).astype(jnp.bfloat16),
+        "gain": (1.0 + 0.1 * jax.random.normal(k[1], (16,))).astype(jnp.bfloat16),
+        "bias": (0.1 * jax.random.normal(k[2], (16,))).astype(jnp.bfloat16),
+        "w": (jax.random.normal(k[3], (16, 16)) / 4.0).astype(jnp.bfloat16),
+    }
+    tokens = jnp.arange(32, dtype=jnp.int32).reshape(2, 16) % 64
+    labels = (tokens * 7 + 3) % 64
+    amp_loss = jaxamp.amp(_lm_loss, compute_dtype=jnp.bfloat16)
+    grad_fn = jax.value_and_grad(amp_loss)
+    jaxpr = jax.make_jaxpr(grad_fn)(params, tokens, labels)
+    eqns = [e for e, _ in jaxamp.iter_equations(jaxpr)]
+    # LayerNorm statistics (mean, variance), softmax and the loss's
+    # log-softmax run in float32, forward and backward; the only bfloat16 sums
+    # are exact ones over size-1 axes (the gain's and bias' broadcasts).
+    for prim in ("reduce_sum", "reduce_max", "exp", "log", "rsqrt", "sub", "div"):
+        found = [e for e in eqns if e.primitive.name == prim]
+        assert found, prim
+        for e in found:
+            out = e.outvars[0].aval
+            if out.dtype == F32 or not jnp.issubdtype(out.dtype, jnp.floating):
+                continue
+            shape = e.invars[0].aval.shape
+            assert prim == "reduce_sum", (prim, e)
+            assert all(shape[a] == 1 for a in e.params["axes"]), e
+    dots = [e for e in eqns if e.primitive.name == "dot_general"]
+    assert dots and all(v.aval.dtype == BF16 for e in dots for v in e.invars)
+    value, grads = jax.jit(grad_fn)(params, tokens, labels)
+    assert _dtypes(grads) == [BF16] * 4  # gradients in the parameters' dtype
+    ref_params = jax.tree.map(lambda a: a.astype(jnp.float32), params)
+    ref_value, ref_grads = jax.value_and_grad(_lm_loss)(ref_params, tokens, labels)
+    assert abs(float(value) - float(ref_value)) < 0.02 * float(ref_value)
+    for name in params:  # bf16 matmuls: a few percent of the gradient's norm
+        g, r = grads[name].astype(jnp.float32), ref_grads[name]
+        assert float(jnp.linalg.norm(g - r) / jnp.linalg.norm(r)) < 0.05, name
