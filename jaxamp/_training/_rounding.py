@@ -110,28 +110,30 @@ def round_stochastic_bf16(x: jax.Array, bits: jax.Array) -> jax.Array:
     return jnp.where(jnp.isfinite(x), _top_half_to_bf16(up), round_nearest_bf16(x))
 
 
-def dynamic_map() -> np.ndarray:
-    """bitsandbytes' signed dynamic quantization map: 256 sorted float32 values in
-    [-1, 1] (Dettmers et al. 2022, "8-bit Optimizers via Block-wise
-    Quantization", section 2.2).
+def code_values(idx: jax.Array) -> jax.Array:
+    """bitsandbytes' signed dynamic quantization map (Dettmers et al. 2022,
+    "8-bit Optimizers via Block-wise Quantization", section 2.2): the float32
+    value in [-1, 1] of each code index 0..255, computed elementwise.
 
-    Seven decades ``10^(i-6)``, ``i = 0..6``; decade ``i`` holds the midpoints of
-    ``2^i + 1`` equally spaced points in ``[0.1, 1]`` (so ``2^i`` values), with
-    both signs; then 0 and 1. Small magnitudes keep relative precision, which
-    linear codes lose (a second moment 1e-4 of its block's largest becomes 0).
+    Seven decades ``10^(i-6)``, ``i = 0..6``; decade ``i`` holds the midpoints
+    of ``2^i + 1`` equally spaced points in ``[0.1, 1]`` (``2^i`` values), with
+    both signs; then 0 (index 127) and 1 (index 255), sorted. Small magnitudes
+    keep relative precision, which linear codes lose (a second moment 1e-4 of
+    its block's largest becomes 0). Arithmetic rather than a table lookup, so
+    that XLA fuses decoding into the optimizer's update.
     """
-    vals = [0.0, 1.0]
-    for i in range(7):
-        pts = np.linspace(0.1, 1.0, 2**i + 1)
-        means = (pts[:-1] + pts[1:]) / 2.0 * 10.0 ** (i - 6)
-        vals += list(means) + list(-means)
-    out = np.sort(np.asarray(vals, np.float32))
-    assert out.shape == (256,)
-    return out
-
-
-_MAP = dynamic_map()
-_MIDPOINTS = (_MAP[1:] + _MAP[:-1]) / 2
+    idx = idx.astype(jnp.int32)
+    pos = jnp.where(idx >= 128, idx - 128, 126 - idx)  # rank among one sign
+    i = sum((pos + 1 >= 2**j).astype(jnp.int32) for j in range(1, 7))
+    n = jnp.left_shift(1, i).astype(jnp.float32)
+    k = (pos + 1).astype(jnp.float32) - n
+    decade = jnp.float32(0)
+    for j in range(7):
+        decade = jnp.where(i == j, np.float32(10.0 ** (j - 6)), decade)
+    mag = decade * (0.1 + 0.9 * (k + 0.5) / n)
+    val = jnp.where(idx >= 128, mag, -mag)
+    val = jnp.where(idx == 127, 0.0, val)
+    return jnp.where(idx == 255, 1.0, val).astype(jnp.float32)
 
 
 class BlockQuantized(NamedTuple):
@@ -150,7 +152,31 @@ class BlockQuantized(NamedTuple):
 def _blocks(x: jax.Array, block_size: int) -> jax.Array:
     flat = x.reshape(-1)
     pad = (-flat.size) % block_size
-    return jnp.pad(flat, (0, pad)).reshape(-1, block_size)
+    if pad:
+        flat = jnp.pad(flat, (0, pad))
+    return flat.reshape(-1, block_size)
+
+
+def _nearest_code(v: jax.Array) -> jax.Array:
+    """Index (0..255) of the dynamic map's value nearest to each ``v`` in
+    [-1, 1], elementwise (XLA fuses it; a table search would not be).
+
+    The value's decade ``i`` and its slot ``k`` in that decade give a first
+    index; comparing it with its two neighbours in the sorted map corrects a
+    decade boundary or a ``log10`` rounding.
+    """
+    a = jnp.abs(v)
+    i = jnp.clip(jnp.floor(jnp.log10(jnp.maximum(a, 1e-7))) + 7.0, 0.0, 6.0)
+    n = jnp.exp2(i)
+    k = jnp.clip(jnp.round((a / 10.0 ** (i - 6.0) - 0.1) / 0.9 * n - 0.5), 0.0, n - 1)
+    pos = (n - 1.0 + k).astype(jnp.int32)  # values below this decade: 2**i - 1
+    idx = jnp.where(v < 0, 126 - pos, 128 + pos)
+    best = idx
+    for cand in (idx - 1, idx + 1):
+        cand = jnp.clip(cand, 0, 255)
+        closer = jnp.abs(code_values(cand) - v) < jnp.abs(code_values(best) - v)
+        best = jnp.where(closer, cand, best)
+    return best
 
 
 def quantize_blockwise(x: jax.Array, block_size: int) -> BlockQuantized:
@@ -170,14 +196,13 @@ def quantize_blockwise(x: jax.Array, block_size: int) -> BlockQuantized:
     blocks = _blocks(x.astype(jnp.float32), block_size)
     scales = jnp.max(jnp.abs(blocks), axis=1)
     safe = jnp.where(scales > 0, scales, jnp.float32(1))
-    normed = blocks / safe[:, None]
-    idx = jnp.searchsorted(jnp.asarray(_MIDPOINTS), normed, method="scan")
+    idx = _nearest_code(blocks / safe[:, None])
     codes = (idx - 128).astype(jnp.int8).reshape(-1)[: x.size].reshape(x.shape)
     return BlockQuantized(codes, scales)
 
 
 def dequantize_blockwise(q: BlockQuantized, block_size: int) -> jax.Array:
     """Float32 values of a :class:`BlockQuantized` buffer (its codes' shape)."""
-    vals = jnp.asarray(_MAP)[q.codes.astype(jnp.int32) + 128]
+    vals = code_values(q.codes.astype(jnp.int32) + 128)
     blocks = _blocks(vals, block_size) * q.scales[:, None]
     return blocks.reshape(-1)[: q.codes.size].reshape(q.codes.shape)
