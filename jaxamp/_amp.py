@@ -94,7 +94,8 @@ def amp(
 
     Returns:
         A function with ``fn``'s signature whose outputs have the pytree
-        structure and dtypes that ``fn`` returns.
+        structure and dtypes that ``fn`` returns. bfloat16/float16 arguments are
+        traced as float32 (as float32 parameters); their gradients keep their dtype.
 
     Raises:
         TypeError: if ``fn`` is not callable, a policy key/value is invalid,

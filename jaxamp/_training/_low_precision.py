@@ -182,52 +182,73 @@ def low_precision_optimizer(
     state_kind = _check_args(
         tx, rounding, state_dtype, seed, min_quantized_size, block_size
     )
-    inner = optax.with_extra_args_support(tx)
+    codec = _Codec(rounding, state_kind, seed, min_quantized_size, block_size)
+    return _wrap(optax.with_extra_args_support(tx), codec)
 
-    def to32(tree, like):
-        return jax.tree_util.tree_map(
-            lambda x, p: x.astype(jnp.float32) if _is_bf16(p) else x, tree, like
-        )
 
-    def state_round(x, step, stream):
-        if rounding == "nearest":
+class _Codec(NamedTuple):
+    """How the wrapper rounds and stores: the validated arguments."""
+
+    rounding: str
+    state_kind: Any  # None, "bfloat16" or "int8"
+    seed: int
+    min_size: int
+    block_size: int
+
+    def state_round(self, x, step, stream):
+        if self.rounding == "nearest":
             return round_nearest_bf16(x)
-        return round_stochastic_bf16(x, noise_bits(x.shape, seed, step, stream))
+        bits = noise_bits(x.shape, self.seed, step, stream)
+        return round_stochastic_bf16(x, bits)
 
-    def encode(state32, plan, step):
+    def encode(self, state32, plan, step):
+        """The float32 inner state stored as ``plan`` says (streams 2i + 1)."""
         leaves, sdef = jax.tree_util.tree_flatten(state32)
         kinds = jax.tree_util.tree_leaves(plan)
         out = []
         for i, (x, k) in enumerate(zip(leaves, kinds)):
             if k == "int8":
-                out.append(quantize_blockwise(x, block_size))
+                out.append(quantize_blockwise(x, self.block_size))
             elif k == "bfloat16":
-                out.append(state_round(x, step, 2 * i + 1))
+                out.append(self.state_round(x, step, 2 * i + 1))
             else:
                 out.append(x)
         return jax.tree_util.tree_unflatten(sdef, out)
 
-    def decode(stored, template):
+    def decode(self, stored, template):
+        """The stored inner state in ``template``'s dtypes."""
+
         def leaf(t, s):
             if isinstance(s, BlockQuantized):
-                return dequantize_blockwise(s, block_size).astype(t.dtype)
+                return dequantize_blockwise(s, self.block_size).astype(t.dtype)
             return s.astype(t.dtype) if hasattr(s, "astype") else s
 
         return jax.tree_util.tree_map(
             leaf, template, stored, is_leaf=lambda x: isinstance(x, BlockQuantized)
         )
 
+
+def _to32(tree, params):
+    return jax.tree_util.tree_map(
+        lambda x, p: x.astype(jnp.float32) if _is_bf16(p) else x, tree, params
+    )
+
+
+def _wrap(inner, codec: _Codec) -> optax.GradientTransformationExtraArgs:
+    """The wrapper's ``init`` and ``update`` around ``inner``."""
+
     def layout(params):
         _check_params(params)
-        p32 = to32(params, params)
+        p32 = _to32(params, params)
         template = jax.eval_shape(inner.init, p32)
-        return p32, template, _plan(template, params, state_kind, min_quantized_size)
+        plan = _plan(template, params, codec.state_kind, codec.min_size)
+        return p32, template, plan
 
     def init(params):
         p32, _, plan = layout(params)
-        state = encode(inner.init(p32), plan, jnp.zeros((), jnp.int32))
+        state = codec.encode(inner.init(p32), plan, jnp.zeros((), jnp.int32))
         comp = None
-        if rounding == "kahan":
+        if codec.rounding == "kahan":
             comp = jax.tree_util.tree_map(
                 lambda p: jnp.zeros_like(p) if _is_bf16(p) else None, params
             )
@@ -240,25 +261,25 @@ def low_precision_optimizer(
                 "(call tx.update(grads, opt_state, params))."
             )
         p32, template, plan = layout(params)
-        u32, new32 = inner.update(
-            to32(updates, params), decode(state.inner_state, template), p32, **extra
-        )
+        inner32 = codec.decode(state.inner_state, template)
+        u32, new32 = inner.update(_to32(updates, params), inner32, p32, **extra)
         comp = state.compensation
         if comp is None:
             comp = jax.tree_util.tree_map(lambda p: None, params)
         leaves, pdef = jax.tree_util.tree_flatten(params)
-        u_leaves = pdef.flatten_up_to(u32)
-        c_leaves = pdef.flatten_up_to(comp)
         outs = [
-            _write(p, u, c, rounding, seed, state.count, 2 * i)
-            for i, (p, u, c) in enumerate(zip(leaves, u_leaves, c_leaves))
+            _write(p, u, c, codec.rounding, codec.seed, state.count, 2 * i)
+            for i, (p, u, c) in enumerate(
+                zip(leaves, pdef.flatten_up_to(u32), pdef.flatten_up_to(comp))
+            )
         ]
-        new_updates = pdef.unflatten([o[0] for o in outs])
         new_comp = None
-        if rounding == "kahan":
+        if codec.rounding == "kahan":
             new_comp = pdef.unflatten([o[1] for o in outs])
-        new_state = encode(new32, plan, state.count)
-        return new_updates, LowPrecisionState(state.count + 1, new_state, new_comp)
+        new_state = codec.encode(new32, plan, state.count)
+        return pdef.unflatten([o[0] for o in outs]), LowPrecisionState(
+            state.count + 1, new_state, new_comp
+        )
 
     return optax.GradientTransformationExtraArgs(init, update)
 
