@@ -128,13 +128,13 @@ def low_precision_optimizer(
     Each step upcasts the bfloat16 parameters, gradients and state to float32,
     runs ``tx.update``, forms the float32 new parameter ``p + u`` and writes it
     to bfloat16 with ``rounding``. The returned updates are bfloat16 with
-    ``p + updates == new_p`` exactly in bfloat16 arithmetic, so the unchanged
+    ``p + updates == new_p`` in bfloat16 arithmetic, so the unchanged
     ``optax.apply_updates``, ``eqx.apply_updates`` and ``nnx.Optimizer.update``
-    store the rounded parameter. (When a parameter changes sign and magnitude so
-    much in one step that no bfloat16 update reaches the rounded value, the
-    parameter is the nearest one reached; Kahan's compensation carries the
-    difference.) Float32 (and other non-bfloat16) leaves pass through: their
-    updates and state are the inner optimizer's own.
+    store the rounded parameter: exactly whenever ``new_p`` is within a factor
+    2 of ``p`` (Sterbenz); a parameter that changes sign or by more than 2x in
+    one step may land one bfloat16 step away (no bfloat16 update reaches it),
+    and Kahan's compensation carries that difference. Float32 (and other
+    non-bfloat16) leaves pass through with the inner optimizer's updates.
 
     Roundings (Zamirai et al. 2020, "Revisiting BFloat16 Training"):
 
@@ -310,8 +310,30 @@ def _write(p, u, c, rounding, seed, step, stream):
         new = round_stochastic_bf16(target, noise_bits(p.shape, seed, step, stream))
     else:
         new = round_nearest_bf16(target)
-    d = round_nearest_bf16(new.astype(jnp.float32) - p32)
+    d = _exact_step(p32, new)
     if rounding != "kahan":
         return d, None
     reached = round_nearest_bf16(p32 + d.astype(jnp.float32))
     return d, round_nearest_bf16(target - reached.astype(jnp.float32))
+
+
+def _exact_step(p32: jax.Array, new: jax.Array) -> jax.Array:
+    """A bfloat16 ``d`` with ``p + d == new`` in bfloat16 arithmetic.
+
+    ``new - p`` rounded to bfloat16 is such a ``d`` unless its rounding and the
+    sum's rounding add up across a rounding boundary (a sign change, or ``new``
+    far from ``p``); then one of its two bfloat16 neighbours is. When ``new``
+    is far smaller than ``p`` (under 2^-8 of it) no bfloat16 ``d`` may reach it
+    and the sum is the nearest reachable value.
+    """
+    new32 = new.astype(jnp.float32)
+    d = round_nearest_bf16(new32 - p32)
+    bits = jax.lax.bitcast_convert_type(d, jnp.uint16)
+    for step in (1, -1):  # bfloat16 neighbours (magnitude +-1 ulp)
+        cand = jax.lax.bitcast_convert_type(
+            (bits.astype(jnp.int32) + step).astype(jnp.uint16), jnp.bfloat16
+        )
+        ok = round_nearest_bf16(p32 + d.astype(jnp.float32)) == new
+        hits = round_nearest_bf16(p32 + cand.astype(jnp.float32)) == new
+        d = jnp.where(~ok & hits & jnp.isfinite(cand), cand, d)
+    return d
