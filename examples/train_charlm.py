@@ -477,6 +477,10 @@ def train(
         else jaxamp.StaticScalerState()
     )
     value_and_grad = jaxamp.dynamic_scale_value_and_grad(loss, filter=False)
+    if cfg.param_dtype == "bfloat16" and MODES[mode]["scaler"] is None:
+        # A static scale of 1 is a no-op; the scaler's float32 unscale would
+        # double the bytes of bfloat16 gradients.
+        value_and_grad = _plain_value_and_grad(loss)
     opt = make_optimizer(cfg)
     params = initial_params(cfg)
     with jax.numpy_dtype_promotion("standard"):  # optax's init (see step)
@@ -523,7 +527,9 @@ def train(
     )
     x0, y0 = next(batches(train_data, cfg.batch_size, cfg.seq_len, cfg.seed + 2))
     grad_jaxpr = jax.make_jaxpr(jax.grad(loss))(params, x0, y0)
-    grads_shape = jax.eval_shape(jax.grad(loss), params, x0, y0)
+    grads_shape = jax.eval_shape(
+        lambda p: value_and_grad(p, x0, y0, dynamic_scaler_state=scaler)[1][1], params
+    )
     return {
         "mode": mode,
         "label": variant_label(mode, cfg),
@@ -547,6 +553,16 @@ def train(
         "sample": sample(loss_forward(mode, cfg), params, val_data, cfg),
         "wall_s": time.perf_counter() - t_start,
     }
+
+
+def _plain_value_and_grad(loss: Callable) -> Callable:
+    """``jax.value_and_grad`` with the scaler's call shape (scaler unchanged),
+    the gradients in the parameters' dtype."""
+
+    def value_and_grad(params, x, y, dynamic_scaler_state):
+        return dynamic_scaler_state, jax.value_and_grad(loss)(params, x, y)
+
+    return value_and_grad
 
 
 def loss_forward(mode: str, cfg: Config) -> Callable:

@@ -241,20 +241,24 @@ def _amp_call(ctx: AmpContext, check: bool, fn: Callable, args, kwargs) -> Any:
             if rewrite.tracing is not None:
                 stack.enter_context(rewrite.tracing())
         avals = [jax.typeof(x) for x in leaves]
-        closed = _compat.trace_to_closed_jaxpr(
-            flat_fn, avals, getattr(fn, "__name__", "amp")
-        )
-        out_avals = [v.aval for v in _compat.jaxpr_parts(closed)[0].outvars]
         wide = [_widened(a) for a in avals]
+        name = getattr(fn, "__name__", "amp")
         if wide != avals:
             # bfloat16/float16 arguments (low-precision parameters) are the
             # float32 values they hold: traced in float32, the policy keeps
             # statistics, softmax and the loss chain in float32 as with float32
             # parameters; each argument's cotangent is cast back to its dtype.
-            closed = _compat.trace_to_closed_jaxpr(
-                flat_fn, wide, getattr(fn, "__name__", "amp")
-            )
+            # The outputs keep the dtypes fn gives them on the real arguments
+            # (a trace under standard promotion: where strict promotion traces,
+            # both give the same dtypes; JAX's own bfloat16 attention does not).
+            with jax.numpy_dtype_promotion("standard"):
+                real = _compat.trace_to_closed_jaxpr(flat_fn, avals, name)
+            out_avals = [v.aval for v in _compat.jaxpr_parts(real)[0].outvars]
+            closed = _compat.trace_to_closed_jaxpr(flat_fn, wide, name)
             leaves = [restore(x, a) for x, a in zip(leaves, wide)]
+        else:
+            closed = _compat.trace_to_closed_jaxpr(flat_fn, avals, name)
+            out_avals = [v.aval for v in _compat.jaxpr_parts(closed)[0].outvars]
     core, consts = _compat.jaxpr_parts(closed)
     with _overflow.checking(check), cast_cache(), jax.named_scope(AMP_REGION):
         # The arguments (parameters, batch) and closed-over values are held:
