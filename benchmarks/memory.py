@@ -25,8 +25,11 @@ fit give the largest GPT (layers at that width) that fits 16 GiB and 80 GiB.
 XLA:CPU's buffer assignment stands in for the GPU's.
 
 Part 2: validation loss after ``--steps`` steps of the main job's model and
-data, and the steady-state step time relative to ``amp bf16, f32 master``,
-all variants trained one after another in this process.
+data, and the median step time relative to ``amp bf16, f32 master``, the
+variants trained round-robin in this process (one step of each in turn).
+
+``--map-check N``: the int8 map choice, AdamW's update direction from linear
+and dynamic-map int8 moments after N float32 steps.
 """
 
 from __future__ import annotations
@@ -161,28 +164,37 @@ def fit(v: Variant, cfg: tc.Config, layers: tuple[int, int]) -> dict:
     }
 
 
-def train_row(v: Variant, cfg: tc.Config, data) -> dict:
-    """Validation loss and steady-state seconds per step after ``cfg.steps``."""
-    loss, opt, step, cfg = setup(v, cfg)
-    params = tc.initial_params(cfg)
-    with jax.numpy_dtype_promotion("standard"):
-        state = opt.init(params)
-    step = jax.jit(step, donate_argnums=(0, 1))
+def train_all(chosen: list[Variant], cfg: tc.Config, data) -> dict:
+    """Validation loss after ``cfg.steps`` steps and the median seconds per
+    step of each variant, trained round-robin (one step of each in turn, same
+    batches), so that a busy machine slows all of them alike."""
+    runs = {}
+    for v in chosen:
+        loss, opt, step, vcfg = setup(v, cfg)
+        params = tc.initial_params(vcfg)
+        with jax.numpy_dtype_promotion("standard"):
+            state = opt.init(params)
+        runs[v.name] = [jax.jit(step, donate_argnums=(0, 1)), params, state, loss, []]
     it = tc.batches(data[0], cfg.batch_size, cfg.seq_len, cfg.seed)
-    t0 = None
     for i in range(cfg.steps):
-        params, state, value = step(params, state, *next(it))
-        if i == 1:
+        x, y = next(it)
+        for run in runs.values():
+            t = time.perf_counter()
+            run[1], run[2], value = run[0](run[1], run[2], x, y)
             jax.block_until_ready(value)
-            t0 = time.perf_counter()
-    jax.block_until_ready(params)
-    sec = (time.perf_counter() - t0) / (cfg.steps - 2)
-    evaluate = jax.jit(loss)
-    val_it = tc.batches(data[1], cfg.batch_size, cfg.seq_len, cfg.seed + 1)
-    val = np.mean(
-        [float(evaluate(params, *next(val_it))) for _ in range(cfg.eval_batches)]
-    )
-    return {"val_loss": float(val), "step_s": sec, "final_loss": float(value)}
+            if i >= 2:  # after the compiling step and one warm step
+                run[4].append(time.perf_counter() - t)
+    out = {}
+    for name, (_, params, _, loss, times) in runs.items():
+        evaluate = jax.jit(loss)
+        val_it = tc.batches(data[1], cfg.batch_size, cfg.seq_len, cfg.seed + 1)
+        vals = [float(evaluate(params, *next(val_it))) for _ in range(cfg.eval_batches)]
+        out[name] = {
+            "val_loss": float(np.mean(vals)),
+            "step_s": float(np.median(times)),
+        }
+        print(name, out[name], flush=True)
+    return out
 
 
 def map_check(steps: int) -> str:
@@ -290,8 +302,9 @@ def report(mem: dict, train: dict, args) -> str:
             f"## Training quality: the main job's model ({args.steps} steps, "
             "examples/train_charlm.py defaults otherwise)",
             "",
-            "Step time: steady-state seconds per step relative to `amp bf16, f32 "
-            "master`, all variants trained one after another in one process.",
+            "Step time: median seconds per step relative to `amp bf16, f32 master`; "
+            "the variants train round-robin in one process (one step of each in "
+            "turn, same batches), so a busy machine slows all alike.",
             "",
             "| variant | val loss | vs f32 master | step time ratio |",
             "|---|---|---|---|",
@@ -332,9 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps:
         cfg = tc.Config(steps=args.steps)
         data = tc.load_corpus(cfg.data_dir, cfg.max_bytes)
-        for v in chosen:
-            train[v.name] = train_row(v, cfg, data)
-            print(v.name, train[v.name], flush=True)
+        train = train_all(chosen, cfg, data)
     text = report(mem, train, args)
     if args.map_check:
         text += "\n" + map_check(args.map_check) + "\n"
