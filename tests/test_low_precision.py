@@ -480,3 +480,28 @@ def test_amp_with_bfloat16_parameters_keeps_statistics_and_loss_in_float32():
     for name in params:  # bf16 matmuls: a few percent of the gradient's norm
         g, r = grads[name].astype(jnp.float32), ref_grads[name]
         assert float(jnp.linalg.norm(g - r) / jnp.linalg.norm(r)) < 0.05, name
+
+
+def test_dynamic_loss_scaling_overflow_is_a_skipped_step():
+    # float16 amp with a loss scale that overflows: the scaler halves, the
+    # skip wrapper keeps bf16 parameters, moments and Kahan buffers unchanged.
+    params = _mlp()
+    x = jax.random.normal(jax.random.key(2), (16, 64), jnp.float32)
+    tx = jaxamp.skip_nonfinite_updates(
+        jaxamp.low_precision_optimizer(optax.adamw(1e-2), rounding="kahan")
+    )
+    loss = jaxamp.amp(_loss, compute_dtype=jnp.float16)
+    vg = jaxamp.dynamic_scale_value_and_grad(loss, filter=False)
+
+    @jax.jit
+    def step(p, s, scaler):
+        scaler, (_, g) = vg(p, x, dynamic_scaler_state=scaler)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s, scaler
+
+    p1, s1, sc1 = step(params, tx.init(params), jaxamp.DynamicScalerState(scaler=1.0))
+    assert int(s1.skipped_steps) == 0 and not _leaves_equal(p1, params)
+    p2, s2, sc2 = step(p1, s1, jaxamp.DynamicScalerState(scaler=2.0**30))
+    assert int(s2.skipped_steps) == 1 and int(sc2.total_resets) == 1
+    assert _leaves_equal(p2, p1) and _dtypes(p2) == [BF16, BF16]
+    assert _leaves_equal(s2.inner_state, s1.inner_state)
