@@ -258,9 +258,11 @@ def test_fsdp_sharded_and_unsharded_runs_are_bit_identical(state_dtype):
     assert ("BlockQuantized" in kinds) == (state_dtype == "int8")
 
 
-@pytest.mark.parametrize("rounding", ROUNDINGS)
-@pytest.mark.parametrize("state_dtype", STATES)
-@pytest.mark.parametrize("guard", ["skip_nonfinite_updates", "apply_if_finite"])
+@pytest.mark.parametrize(
+    "rounding, state_dtype, guard",
+    [(r, d, "skip_nonfinite_updates") for r in ROUNDINGS for d in STATES]
+    + [("kahan", "int8", "apply_if_finite")],
+)
 def test_skipped_step_changes_nothing(rounding, state_dtype, guard):
     params = _mlp()
     x = jax.random.normal(jax.random.key(2), (16, 64), jnp.float32)
@@ -289,7 +291,7 @@ def test_skipped_step_changes_nothing(rounding, state_dtype, guard):
 
 
 def test_equinox_apply_updates():
-    model = eqx.nn.MLP(16, 4, 32, 2, key=jax.random.key(0))
+    model = eqx.nn.MLP(16, 4, 32, 1, key=jax.random.key(0))
     model = jax.tree.map(
         lambda a: a.astype(jnp.bfloat16) if eqx.is_inexact_array(a) else a, model
     )
@@ -308,7 +310,7 @@ def test_equinox_apply_updates():
         return eqx.apply_updates(m, u), s, val
 
     first = None
-    for _ in range(30):
+    for _ in range(20):
         model, state, val = step(model, state)
         first = val if first is None else first
     assert all(d == BF16 for d in _dtypes(eqx.filter(model, eqx.is_inexact_array)))
