@@ -158,7 +158,8 @@ def low_precision_optimizer(
             parameters: ``jnp.bfloat16`` (written with the rounding: stochastic
             unless ``rounding="nearest"``), ``"int8"`` (block-wise absmax codes
             on bitsandbytes' dynamic map, a float32 scale per ``block_size``
-            elements; Dettmers et al. 2022), or None (unchanged).
+            elements; Dettmers et al. 2022; linear codes zero small second
+            moments, benchmarks/RESULTS_MEMORY.md), or None (unchanged).
         seed: int >= 0, seed of the rounding bits.
         min_quantized_size: with ``"int8"``, buffers with fewer elements (of the
             global shape, independent of the mesh) are stored in bfloat16, as
