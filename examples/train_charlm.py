@@ -22,6 +22,22 @@ forward and dgrad, bfloat16 wgrad). The 8-bit policies' default size rules
 bfloat16, so the ``fp8`` and ``int8`` modes quantize every matmul
 (``size_rule=None``); the table's "8-bit matmul FLOPs" column says which share
 of the step's matmul FLOPs ran in 8 bits.
+
+Parameter storage (any mode): ``--param-dtype float32`` (the default: float32
+master weights, float32 AdamW moments) or ``--param-dtype bfloat16`` (parameters
+cast to bfloat16 at initialisation). With bfloat16 parameters,
+``--param-rounding`` picks the optimizer: ``stochastic`` (the default),
+``kahan`` or ``nearest`` run AdamW in float32 inside
+``jaxamp.low_precision_optimizer`` with that rounding and the moments in
+``--opt-state-dtype`` (bfloat16, int8 or float32); ``plain`` is the naive
+recipe, plain optax on bfloat16 parameters (round-to-nearest in
+``optax.apply_updates``, bfloat16 moments), to show what the rounding buys:
+
+    python examples/train_charlm.py --mode bf16 --param-dtype bfloat16
+    python examples/train_charlm.py --mode bf16 --param-dtype bfloat16 \
+        --param-rounding plain
+
+The table's "bytes/param" column counts parameters + optimizer state + gradients.
 """
 
 from __future__ import annotations
@@ -77,6 +93,13 @@ class Config:
             the mode loses accuracy against float32, per named scope).
         report_dir: folder for the reports (one subfolder per mode); None:
             ``examples/results``.
+        param_dtype: storage of the parameters, ``"float32"`` or ``"bfloat16"``.
+        param_rounding: with bfloat16 parameters, ``"stochastic"``, ``"kahan"``
+            or ``"nearest"`` (``jaxamp.low_precision_optimizer``), or ``"plain"``
+            (plain optax on bfloat16 parameters, the naive recipe).
+        opt_state_dtype: with bfloat16 parameters and a rounding other than
+            plain, the AdamW moments' storage: ``"bfloat16"``, ``"int8"`` or
+            ``"float32"``.
     """
 
     mode: str = "all"
@@ -96,6 +119,16 @@ class Config:
     out: str = "out"
     report: bool = False
     report_dir: str | None = None
+    param_dtype: str = "float32"
+    param_rounding: str = "stochastic"
+    opt_state_dtype: str = "bfloat16"
+
+
+CHOICES = {
+    "param_dtype": ("float32", "bfloat16"),
+    "param_rounding": ("stochastic", "kahan", "nearest", "plain"),
+    "opt_state_dtype": ("bfloat16", "int8", "float32"),
+}
 
 
 # ---------------------------------------------------------------------------
@@ -288,7 +321,9 @@ def loss_fn(params: dict, x: jax.Array, y: jax.Array, heads: int) -> jax.Array:
         The loss in nats per byte, a float32 scalar.
     """
     logits = forward(params, x, heads)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    # float32 mean: a float32 loss for bfloat16 parameters too
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+    return ce.mean(dtype=jnp.float32)
 
 
 # ---------------------------------------------------------------------------
@@ -361,14 +396,60 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
         AdamW (weight decay 0.1) on a linear-warmup + cosine schedule (down to
         a tenth of ``lr``) after global-norm clipping at 1, inside
         ``jaxamp.skip_nonfinite_updates`` (a step with non-finite gradients
-        changes nothing and is counted; only float16 ever has one).
+        changes nothing and is counted; only float16 ever has one). With
+        bfloat16 parameters and ``param_rounding`` other than ``"plain"``, the
+        chain runs inside ``jaxamp.low_precision_optimizer``. With
+        ``"plain"`` (the naive recipe) the chain is returned as is: optax's
+        AdamW returns float32 moments for bfloat16 parameters, so its state
+        changes dtype after the first step, which a skip ``cond`` cannot hold.
     """
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, cfg.lr, cfg.warmup, max(cfg.steps, cfg.warmup + 1), cfg.lr * 0.1
     )
-    return jaxamp.skip_nonfinite_updates(
-        optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, 0.1))
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, 0.1))
+    if cfg.param_dtype == "bfloat16" and cfg.param_rounding == "plain":
+        return tx
+    if cfg.param_dtype == "bfloat16":
+        state = {"bfloat16": jnp.bfloat16, "int8": "int8", "float32": None}
+        tx = jaxamp.low_precision_optimizer(
+            tx,
+            rounding=cfg.param_rounding,
+            state_dtype=state[cfg.opt_state_dtype],
+            seed=cfg.seed,
+        )
+    return jaxamp.skip_nonfinite_updates(tx)
+
+
+def initial_params(cfg: Config) -> dict:
+    """``init_params`` from ``cfg.seed``, cast to ``cfg.param_dtype``."""
+    params = init_params(jax.random.key(cfg.seed), cfg)
+    return jax.tree.map(lambda a: a.astype(cfg.param_dtype), params)
+
+
+def variant_label(mode: str, cfg: Config) -> str:
+    """The table's name of a run: the mode, plus the parameter storage when it
+    is bfloat16 (e.g. ``"bf16, bf16 params, stochastic, bfloat16 state"``)."""
+    if cfg.param_dtype == "float32":
+        return mode
+    if cfg.param_rounding == "plain":
+        return f"{mode}, bf16 params, plain optax"
+    return f"{mode}, bf16 params, {cfg.param_rounding}, {cfg.opt_state_dtype} state"
+
+
+def bytes_per_param(params: Any, opt_state: Any, grads: Any) -> dict:
+    """Stored bytes per parameter of the parameters, the optimizer state and the
+    gradients (arrays or ShapeDtypeStructs), and their sum ``"total"``."""
+    nbytes = lambda t: sum(
+        x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(t)
     )
+    n = sum(x.size for x in jax.tree.leaves(params))
+    out = {
+        "params": nbytes(params) / n,
+        "opt_state": nbytes(opt_state) / n,
+        "grads": nbytes(grads) / n,
+    }
+    out["total"] = sum(out.values())
+    return out
 
 
 def train(
@@ -404,9 +485,14 @@ def train(
         else jaxamp.StaticScalerState()
     )
     value_and_grad = jaxamp.dynamic_scale_value_and_grad(loss, filter=False)
+    if cfg.param_dtype == "bfloat16" and MODES[mode]["scaler"] is None:
+        # A static scale of 1 is a no-op; the scaler's float32 unscale would
+        # double the bytes of bfloat16 gradients.
+        value_and_grad = _plain_value_and_grad(loss)
     opt = make_optimizer(cfg)
-    params = init_params(jax.random.key(cfg.seed), cfg)
-    opt_state = opt.init(params)
+    params = initial_params(cfg)
+    with jax.numpy_dtype_promotion("standard"):  # optax's init (see step)
+        opt_state = opt.init(params)
 
     @jax.jit
     def step(params, opt_state, scaler, x, y):
@@ -443,13 +529,20 @@ def train(
     elapsed = time.perf_counter() - t_steady if t_steady else float("nan")
     val_it = batches(val_data, cfg.batch_size, cfg.seq_len, cfg.seed + 1)
     val = float(
-        np.mean([eval_loss(params, *next(val_it)) for _ in range(cfg.eval_batches)])
+        np.mean(
+            [float(eval_loss(params, *next(val_it))) for _ in range(cfg.eval_batches)]
+        )
     )
     x0, y0 = next(batches(train_data, cfg.batch_size, cfg.seq_len, cfg.seed + 2))
     grad_jaxpr = jax.make_jaxpr(jax.grad(loss))(params, x0, y0)
     precision = precision_report(mode, cfg, params, x0, y0) if cfg.report else None
+    grads_shape = jax.eval_shape(
+        lambda p: value_and_grad(p, x0, y0, dynamic_scaler_state=scaler)[1][1], params
+    )
     return {
         "mode": mode,
+        "label": variant_label(mode, cfg),
+        "bytes_per_param": bytes_per_param(params, opt_state, grads_shape),
         "steps": cfg.steps,
         "losses": losses,
         "final_train_loss": float(np.mean(losses[-10:])),
@@ -458,7 +551,7 @@ def train(
         "tokens_per_s": (cfg.steps - 2) * tokens_per_step / elapsed
         if cfg.steps > 2
         else None,
-        "skipped_steps": int(opt_state.skipped_steps),
+        "skipped_steps": int(getattr(opt_state, "skipped_steps", 0)),
         # amp's overflow_check (on for float16) turns a float16 overflow in the
         # forward pass into a NaN loss, so these steps are seen and skipped.
         "forward_overflows": int(sum(not math.isfinite(v) for v in losses)),
@@ -502,6 +595,16 @@ def precision_report(mode: str, cfg: Config, params: dict, x, y) -> dict | None:
         "loss_error": report.loss_error,
         "top": report.top(5),
     }
+
+
+def _plain_value_and_grad(loss: Callable) -> Callable:
+    """``jax.value_and_grad`` with the scaler's call shape (scaler unchanged),
+    the gradients in the parameters' dtype."""
+
+    def value_and_grad(params, x, y, dynamic_scaler_state):
+        return dynamic_scaler_state, jax.value_and_grad(loss)(params, x, y)
+
+    return value_and_grad
 
 
 def loss_forward(mode: str, cfg: Config) -> Callable:
@@ -574,19 +677,20 @@ def table(results: list[dict], fp32_residual: int | None) -> str:
     head = (
         "| mode | train loss | val loss | val bits/char | tokens/s | skipped steps "
         "| forward overflows | final loss scale | low-precision matmul FLOPs "
-        "| 8-bit matmul FLOPs | residual bytes vs fp32 |"
+        "| 8-bit matmul FLOPs | residual bytes vs fp32 | bytes/param |"
     )
-    rows = [head, "|" + "---|" * 11]
+    rows = [head, "|" + "---|" * 12]
     for r in results:
         ratio = r["residual_bytes"] / fp32_residual if fp32_residual else float("nan")
         tps = f"{r['tokens_per_s']:.0f}" if r["tokens_per_s"] else "-"
         rows.append(
-            f"| {r['mode']} | {r['final_train_loss']:.3f} | {r['val_loss']:.3f} "
+            f"| {r.get('label', r['mode'])} | {r['final_train_loss']:.3f} "
+            f"| {r['val_loss']:.3f} "
             f"| {r['val_bits_per_char']:.3f} | {tps} | {r['skipped_steps']} "
             f"| {r.get('forward_overflows', 0)} | {r['final_loss_scale']:g} "
             f"| {r['low_precision_flop_share']:.2f} "
             f"| {r.get('eight_bit_flop_share', 0.0):.2f} "
-            f"| {ratio:.2f}x |"
+            f"| {ratio:.2f}x | {r['bytes_per_param']['total']:.2f} |"
         )
     return "\n".join(rows)
 
@@ -607,13 +711,14 @@ def plot(results: list[dict], path: Path, unigram_bits: float | None = None) -> 
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for r in results:
-        (line,) = ax.plot(r["losses"], label=f"{r['mode']} train", linewidth=1)
+        name = r.get("label", r["mode"])
+        (line,) = ax.plot(r["losses"], label=f"{name} train", linewidth=1)
         ax.plot(
             len(r["losses"]) - 1,
             r["val_loss"],
             "o",
             color=line.get_color(),
-            label=f"{r['mode']} validation ({r['val_bits_per_char']:.2f} bits/char)",
+            label=f"{name} validation ({r['val_bits_per_char']:.2f} bits/char)",
         )
     if unigram_bits is not None:
         ax.axhline(
@@ -665,7 +770,7 @@ def run(cfg: Config, progress: bool = True) -> dict:
         fp32_res = fp32["residual_bytes"]
     else:
         x0, y0 = next(batches(data[0], cfg.batch_size, cfg.seq_len, cfg.seed + 2))
-        params = init_params(jax.random.key(cfg.seed), cfg)
+        params = init_params(jax.random.key(cfg.seed), cfg)  # float32 reference
         fp32_res = jaxamp.saved_residual_bytes(mode_loss("fp32", cfg), params, x0, y0)
     for r in results:
         r["residual_bytes_vs_fp32"] = r["residual_bytes"] / fp32_res
@@ -726,13 +831,20 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument(flag, action="store_true", help=helps[f.name])
             continue
         typ = str if f.name in ("data_dir", "out", "report_dir") else type(f.default)
-        p.add_argument(flag, type=typ, default=f.default, help=helps[f.name])
+        p.add_argument(
+            flag,
+            type=typ,
+            default=f.default,
+            choices=CHOICES.get(f.name),
+            help=helps[f.name],
+        )
     cfg = Config(**vars(p.parse_args(argv)))
     for name in ("steps", "batch_size", "seq_len", "d_model", "layers", "heads"):
         if getattr(cfg, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if cfg.d_model % cfg.heads:
         p.error(f"--d-model {cfg.d_model} is not divisible by --heads {cfg.heads}")
+
     try:
         report = run(cfg)
     except DataError as e:
@@ -744,7 +856,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(report["table"])
     for r in report["results"]:
-        print(f"\n--- sample ({r['mode']}) ---\n{r['sample']}")
+        print(f"\n--- sample ({r.get('label', r['mode'])}) ---\n{r['sample']}")
         if r.get("precision_report"):
             pr = r["precision_report"]
             print(

@@ -54,6 +54,10 @@ from ._tools._precision_report import precision_report as precision_report
 from ._tools._quant_report import MatmulRecord as MatmulRecord
 from ._tools._quant_report import eight_bit_flop_share as eight_bit_flop_share
 from ._tools._quant_report import quantization_report as quantization_report
+from ._training._low_precision import LowPrecisionState as LowPrecisionState
+from ._training._low_precision import (
+    low_precision_optimizer as low_precision_optimizer,
+)
 from ._training._optax import SkipNonFiniteState as SkipNonFiniteState
 from ._training._optax import all_finite as all_finite
 from ._training._optax import optimizer_update as optimizer_update
@@ -105,10 +109,11 @@ __all__ = (
     "CastRule",
     "DynamicScalerState",
     "ImplementationRule",
+    "LowPrecisionState",
     "MatmulRecord",
     "Overflow",
-    "ScopePolicy",
     "PrecisionReport",
+    "ScopePolicy",
     "SkipNonFiniteState",
     "StaticScalerState",
     "all_finite",
@@ -136,6 +141,7 @@ __all__ = (
     "iter_equations",
     "keep_current_precision",
     "low_precision_flop_share",
+    "low_precision_optimizer",
     "matmul_flops_by_dtype",
     "min_matmul_size",
     "optimizer_update",

@@ -119,8 +119,8 @@ def amp(
             :func:`jaxamp.find_overflows`.
 
     Returns:
-        A function with ``fn``'s signature whose outputs have the pytree
-        structure and dtypes that ``fn`` returns.
+        ``fn`` with its outputs' structure and dtypes; bfloat16/float16
+        arguments are traced as float32, their gradients keep their dtype.
 
     Raises:
         TypeError: if ``fn`` is not callable, a policy key/value is invalid,
@@ -270,9 +270,25 @@ def _amp_call(ctx: AmpContext, check: bool, fn: Callable, args, kwargs) -> Any:
         for rewrite in ctx.pipeline.rewrites:
             if rewrite.tracing is not None:
                 stack.enter_context(rewrite.tracing())
-        closed = _compat.trace_to_closed_jaxpr(
-            flat_fn, [jax.typeof(x) for x in leaves], getattr(fn, "__name__", "amp")
-        )
+        avals = [jax.typeof(x) for x in leaves]
+        wide = [_widened(a) for a in avals]
+        name = getattr(fn, "__name__", "amp")
+        if wide != avals:
+            # bfloat16/float16 arguments (low-precision parameters) are the
+            # float32 values they hold: traced in float32, the policy keeps
+            # statistics, softmax and the loss chain in float32 as with float32
+            # parameters; each argument's cotangent is cast back to its dtype.
+            # The outputs keep the dtypes fn gives them on the real arguments
+            # (a trace under standard promotion: where strict promotion traces,
+            # both give the same dtypes; JAX's own bfloat16 attention does not).
+            with jax.numpy_dtype_promotion("standard"):
+                real = _compat.trace_to_closed_jaxpr(flat_fn, avals, name)
+            out_avals = [v.aval for v in _compat.jaxpr_parts(real)[0].outvars]
+            closed = _compat.trace_to_closed_jaxpr(flat_fn, wide, name)
+            leaves = [restore(x, a) for x, a in zip(leaves, wide)]
+        else:
+            closed = _compat.trace_to_closed_jaxpr(flat_fn, avals, name)
+            out_avals = [v.aval for v in _compat.jaxpr_parts(closed)[0].outvars]
     core, consts = _compat.jaxpr_parts(closed)
     with _overflow.checking(check), cast_cache(), jax.named_scope(AMP_REGION):
         # The arguments (parameters, batch) and closed-over values are held:
@@ -281,11 +297,21 @@ def _amp_call(ctx: AmpContext, check: bool, fn: Callable, args, kwargs) -> Any:
         # The outputs feed nothing in the function: no matmul, no softmax.
         edge = ((0,) * len(core.outvars), None)
         outs = eval_jaxpr(core, consts, leaves, ctx, held, True, edge)
-        outs = [restore(x, v.aval) for x, v in zip(outs, core.outvars)]
+        outs = [restore(x, a) for x, a in zip(outs, out_avals)]
     # A key the user wrote that matched nothing (a typo) warns.
     ctx.policy.warn_unmatched(getattr(fn, "__name__", "fn"))
     out_def, out_static = out_tree[0]
     return eqx.combine(jax.tree_util.tree_unflatten(out_def, outs), out_static)
+
+
+def _widened(aval: Any) -> Any:
+    """``aval`` with a float dtype narrower than float32 widened to float32."""
+    dtype = getattr(aval, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        return aval
+    if jnp.finfo(dtype).bits >= 32:
+        return aval
+    return aval.update(dtype=jnp.dtype(jnp.float32), weak_type=False)
 
 
 @contextlib.contextmanager

@@ -171,3 +171,47 @@ def test_charlm_8bit_modes_run_their_matmuls_in_8_bits(mode):
     loss = train_charlm.mode_loss(mode, cfg)
     share = jaxamp.eight_bit_flop_share(jax.make_jaxpr(jax.grad(loss))(params, x, x))
     assert share > 0.5
+
+
+@pytest.mark.parametrize(
+    "rounding, state, total",
+    [
+        ("stochastic", "bfloat16", 8.0),
+        ("kahan", "int8", 8.0),
+        ("plain", "bfloat16", None),
+    ],
+)
+def test_charlm_bfloat16_parameters(rounding, state, total):
+    # bf16 parameters: 2 bytes each, bf16 gradients (2), AdamW state 4 (bf16
+    # moments), 2.03 + 2 (int8 moments + Kahan buffer) with a few small tensors
+    # in bf16; the naive recipe's state is whatever optax makes of it.
+    cfg = train_charlm.Config(
+        steps=12,
+        batch_size=4,
+        seq_len=32,
+        d_model=64,
+        layers=1,
+        heads=2,
+        warmup=2,
+        max_bytes=200_000,
+        eval_batches=1,
+        sample_chars=4,
+        param_dtype="bfloat16",
+        param_rounding=rounding,
+        opt_state_dtype=state,
+    )
+    data = train_charlm.load_corpus(None, cfg.max_bytes)
+    r = train_charlm.train(cfg, "bf16", data, progress=False)
+    assert r["label"].startswith("bf16, bf16 params")
+    per = r["bytes_per_param"]
+    assert per["params"] == 2.0 and per["grads"] == 2.0
+    if total is not None:
+        assert abs(per["total"] - total) < 0.25, per
+    assert np.isfinite(r["val_loss"]) and r["losses"][-1] < r["losses"][0] - 0.3
+
+
+def test_charlm_param_dtype_flag_is_checked(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train_charlm.main(["--param-dtype", "float16"])
+    assert exit_info.value.code == 2
+    assert "--param-dtype: invalid choice" in capsys.readouterr().err

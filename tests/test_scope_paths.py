@@ -203,7 +203,11 @@ def test_single_component_still_matches_every_layer():
 
 def test_fp8_in_one_layer_by_path():
     ws = _params()
-    policy = jaxamp.fp8_policy(scopes=("layer2/mlp",), size_rule=None)
+    # Layer 2 is the last: its product feeds the loss, which the FP8 policy
+    # keeps in the compute dtype unless asked (quantize_last_matmul).
+    policy = jaxamp.fp8_policy(
+        scopes=("layer2/mlp",), size_rule=None, quantize_last_matmul=True
+    )
     dtypes = _dot_dtypes(_grad_jaxpr(_model("plain"), ws, policy), _layers(ws))
     assert {d.itemsize for d in dtypes[2]} == {1}, dtypes[2]
     assert dtypes[0] == dtypes[1] == {BF16}

@@ -1,0 +1,359 @@
+"""Memory per parameter and training quality of mixed-precision recipes, on the
+main job's GPT (examples/train_charlm.py).
+
+    python benchmarks/memory.py --out benchmarks/RESULTS_MEMORY.md
+
+Variants (AdamW with clipping and the main job's schedule in every one):
+
+* ``fp32``: float32 parameters, no amp;
+* ``amp bf16, f32 master``: ``jaxamp.amp`` (bfloat16 matmuls), float32
+  parameters and moments;
+* ``amp, bf16 params + SR, bf16 state``: bfloat16 parameters,
+  ``jaxamp.low_precision_optimizer`` with stochastic rounding, bfloat16 moments;
+* ``... int8 state``: the same with block-wise int8 moments;
+* ``... Kahan, bf16 state``: Kahan summation (a bfloat16 compensation buffer);
+* ``naive bf16 params``: bfloat16 parameters and plain optax (round to nearest
+  in ``optax.apply_updates``);
+* ``jmp``: ``jmp.get_policy("params=float32,compute=bfloat16,output=float32")``;
+* ``mpx``: ``mpx.cast_to_half_precision`` of the parameters in the loss.
+
+Part 1 (compile only): bytes per parameter of parameters, gradients and
+optimizer state (after one step: optax may change the state's dtypes), and
+XLA's memory analysis of the jitted, donated training step at a GPU-like width
+(``--width``) for two layer counts; the per-layer and fixed bytes of the linear
+fit give the largest GPT (layers at that width) that fits 16 GiB and 80 GiB.
+XLA:CPU's buffer assignment stands in for the GPU's.
+
+Part 2: validation loss after ``--steps`` steps of the main job's model and
+data, and the median step time relative to ``amp bf16, f32 master``, the
+variants trained round-robin in this process (one step of each in turn).
+
+``--map-check N``: the int8 map choice, AdamW's update direction from linear
+and dynamic-map int8 moments after N float32 steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import train_charlm as tc  # noqa: E402
+
+import jaxamp  # noqa: E402
+
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One recipe: how the loss is wrapped and how parameters are stored.
+
+    Attributes:
+        name: the table's name.
+        wrap: ``wrap(loss) -> loss`` (amp, jmp or mpx casting).
+        param_dtype: ``"float32"`` or ``"bfloat16"``.
+        rounding: ``train_charlm``'s ``param_rounding``.
+        state: ``train_charlm``'s ``opt_state_dtype``.
+    """
+
+    name: str
+    wrap: Callable
+    param_dtype: str = "float32"
+    rounding: str = "stochastic"
+    state: str = "bfloat16"
+
+
+def _amp(loss):
+    return jaxamp.amp(loss, compute_dtype=jnp.bfloat16)
+
+
+def _jmp(loss):
+    import jmp
+
+    policy = jmp.get_policy("params=float32,compute=bfloat16,output=float32")
+    return lambda p, x, y: policy.cast_to_output(loss(policy.cast_to_compute(p), x, y))
+
+
+def _mpx(loss):
+    import mpx
+
+    mpx.set_half_precision_datatype(jnp.bfloat16)
+    return lambda p, x, y: loss(mpx.cast_to_half_precision(p), x, y).astype(jnp.float32)
+
+
+VARIANTS = [
+    Variant("fp32", lambda loss: loss),
+    Variant("amp bf16, f32 master", _amp),
+    Variant("amp, bf16 params + SR, bf16 state", _amp, "bfloat16"),
+    Variant("amp, bf16 params + SR, int8 state", _amp, "bfloat16", state="int8"),
+    Variant("amp, bf16 params + Kahan, bf16 state", _amp, "bfloat16", "kahan"),
+    Variant("naive bf16 params (plain optax)", _amp, "bfloat16", "plain"),
+    Variant("jmp (f32 params, bf16 compute)", _jmp),
+    Variant("mpx (f32 params, bf16 compute)", _mpx),
+]
+
+
+def setup(v: Variant, cfg: tc.Config):
+    """The variant's loss, optimizer, initial parameters and jitted step."""
+    cfg = dataclasses.replace(
+        cfg,
+        param_dtype=v.param_dtype,
+        param_rounding=v.rounding,
+        opt_state_dtype=v.state,
+    )
+    loss = v.wrap(lambda p, x, y: tc.loss_fn(p, x, y, cfg.heads))
+    opt = tc.make_optimizer(cfg)
+
+    def step(params, opt_state, x, y):
+        value, grads = jax.value_and_grad(loss)(params, x, y)
+        with jax.numpy_dtype_promotion("standard"):  # optax's Adam (see train_charlm)
+            updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    return loss, opt, step, cfg
+
+
+def memory_row(v: Variant, cfg: tc.Config) -> dict:
+    """Bytes per parameter and XLA's memory analysis of one donated step."""
+    loss, opt, step, cfg = setup(v, cfg)
+    params = jax.eval_shape(lambda: tc.initial_params(cfg))
+    with jax.numpy_dtype_promotion("standard"):
+        state = jax.eval_shape(opt.init, params)
+    x = jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len), jnp.int32)
+    new_params, new_state, _ = jax.eval_shape(step, params, state, x, x)
+    grads = jax.eval_shape(jax.grad(loss), params, x, x)
+    per = tc.bytes_per_param(new_params, new_state, grads)
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, x, x).compile()
+    m = compiled.memory_analysis()
+    total = (
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        - m.alias_size_in_bytes
+        + m.temp_size_in_bytes
+    )
+    n = sum(a.size for a in jax.tree.leaves(params))
+    return {**per, "temp": m.temp_size_in_bytes, "step_total": total, "n": n}
+
+
+def fit(v: Variant, cfg: tc.Config, layers: tuple[int, int]) -> dict:
+    """Per-layer and fixed bytes of a step (linear in layers) and the largest
+    layer count within 16 and 80 GiB."""
+    a, b = (memory_row(v, dataclasses.replace(cfg, layers=n)) for n in layers)
+    per_layer = (b["step_total"] - a["step_total"]) / (layers[1] - layers[0])
+    fixed = a["step_total"] - per_layer * layers[0]
+    fits = {g: int((g * GIB - fixed) // per_layer) for g in (16, 80)}
+    params_per_layer = (b["n"] - a["n"]) / (layers[1] - layers[0])
+    return {
+        "per_layer": per_layer,
+        "fixed": fixed,
+        "fits": fits,
+        "row": b,
+        "params_per_layer": params_per_layer,
+    }
+
+
+def train_all(chosen: list[Variant], cfg: tc.Config, data) -> dict:
+    """Validation loss after ``cfg.steps`` steps and the median seconds per
+    step of each variant, trained round-robin (one step of each in turn, same
+    batches), so that a busy machine slows all of them alike."""
+    runs = {}
+    for v in chosen:
+        loss, opt, step, vcfg = setup(v, cfg)
+        params = tc.initial_params(vcfg)
+        with jax.numpy_dtype_promotion("standard"):
+            state = opt.init(params)
+        runs[v.name] = [jax.jit(step, donate_argnums=(0, 1)), params, state, loss, []]
+    it = tc.batches(data[0], cfg.batch_size, cfg.seq_len, cfg.seed)
+    for i in range(cfg.steps):
+        x, y = next(it)
+        for run in runs.values():
+            t = time.perf_counter()
+            run[1], run[2], value = run[0](run[1], run[2], x, y)
+            jax.block_until_ready(value)
+            if i >= 2:  # after the compiling step and one warm step
+                run[4].append(time.perf_counter() - t)
+    out = {}
+    for name, (_, params, _, loss, times) in runs.items():
+        evaluate = jax.jit(loss)
+        val_it = tc.batches(data[1], cfg.batch_size, cfg.seq_len, cfg.seed + 1)
+        vals = [float(evaluate(params, *next(val_it))) for _ in range(cfg.eval_batches)]
+        out[name] = {
+            "val_loss": float(np.mean(vals)),
+            "step_s": float(np.median(times)),
+        }
+        print(name, out[name], flush=True)
+    return out
+
+
+def map_check(steps: int) -> str:
+    """Int8 map choice: AdamW's update direction m / (sqrt(v) + eps) computed
+    from block-quantized moments (linear absmax codes vs bitsandbytes' dynamic
+    map, block 256) against float32 moments, after ``steps`` float32 steps of
+    the main job's model."""
+    from jaxamp._training import _rounding as r
+
+    cfg = tc.Config(steps=steps)
+    data = tc.load_corpus(cfg.data_dir, cfg.max_bytes)
+    opt = optax.adam(cfg.lr)
+    params = tc.initial_params(cfg)
+    with jax.numpy_dtype_promotion("standard"):
+        state = opt.init(params)
+
+    @jax.jit
+    def step(params, state, x, y):
+        g = jax.grad(lambda p: tc.loss_fn(p, x, y, cfg.heads))(params)
+        with jax.numpy_dtype_promotion("standard"):
+            u, state = opt.update(g, state, params)
+        return optax.apply_updates(params, u), state
+
+    it = tc.batches(data[0], cfg.batch_size, cfg.seq_len, cfg.seed)
+    for _ in range(steps):
+        params, state = step(params, state, *next(it))
+    mu, nu = state[0].mu, state[0].nu
+
+    def linear(x):
+        b = r._blocks(x, 256)
+        scale = jnp.max(jnp.abs(b), axis=1, keepdims=True)
+        q = jnp.round(b / jnp.where(scale > 0, scale, 1.0) * 127.0) / 127.0 * scale
+        return q.reshape(-1)[: x.size].reshape(x.shape)
+
+    def dynamic(x):
+        return r.dequantize_blockwise(r.quantize_blockwise(x, 256), 256)
+
+    rows = []
+    for name, fn in (("linear", linear), ("dynamic", dynamic)):
+        errs, zeros = [], 0
+        for m, v in zip(jax.tree.leaves(mu), jax.tree.leaves(nu)):
+            ref = m / (jnp.sqrt(v) + 1e-8)
+            got = fn(m) / (jnp.sqrt(fn(v)) + 1e-8)
+            errs.append(float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref)))
+            zeros += int(jnp.sum((fn(v) == 0) & (v > 0)))
+        rows.append(f"| {name} | {max(errs):.3g} | {np.median(errs):.3g} | {zeros} |")
+    return "\n".join(
+        [
+            f"## Int8 map: AdamW update error after {steps} steps (main job's model)",
+            "",
+            "Relative L2 error of m / (sqrt(v) + 1e-8) from block-quantized moments "
+            "(block 256) against float32 moments, per parameter leaf; nonzero "
+            "second moments quantized to 0.",
+            "",
+            "| map | worst leaf | median leaf | v > 0 coded as 0 |",
+            "|---|---|---|---|",
+            *rows,
+        ]
+    )
+
+
+def report(mem: dict, train: dict, args) -> str:
+    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    model = next(
+        (
+            ln.split(":", 1)[1].strip()
+            for ln in cpu.splitlines()
+            if ln.startswith("Model name")
+        ),
+        platform.processor(),
+    )
+    lines = [
+        "# Memory per parameter and training quality",
+        "",
+        f"Command: `python benchmarks/memory.py {' '.join(sys.argv[1:])}` "
+        f"({model}, {jax.device_count()} CPU device, {sys.platform}, JAX "
+        f"{jax.__version__}, optax {optax.__version__}).",
+        "",
+        f"## Bytes per parameter and XLA memory of one training step (d_model "
+        f"{args.width}, seq {args.seq_len}, batch {args.batch_size}, layers "
+        f"{args.layers[0]} and {args.layers[1]}; compile only)",
+        "",
+        "Parameters, gradients, optimizer state: stored bytes / parameter count "
+        f"at {args.layers[1]} layers. Temp: XLA's temp buffer bytes of the "
+        "jitted step (parameters and state donated). Per layer / fixed: linear "
+        "fit of the step's total bytes (arguments + outputs - aliased + temp). "
+        "Layers in 16/80 GiB: the largest GPT at this width whose step fits.",
+        "",
+        "| variant | params | grads | opt state | total B/param | temp MiB "
+        "| MiB per layer | fixed MiB | layers in 16 GiB | layers in 80 GiB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, f in mem.items():
+        r = f["row"]
+        lines.append(
+            f"| {name} | {r['params']:.2f} | {r['grads']:.2f} | {r['opt_state']:.2f} "
+            f"| {r['total']:.2f} | {r['temp'] / 2**20:.0f} "
+            f"| {f['per_layer'] / 2**20:.1f} "
+            f"| {f['fixed'] / 2**20:.0f} | {f['fits'][16]} | {f['fits'][80]} |"
+        )
+    if train:
+        ref = train.get("amp bf16, f32 master", next(iter(train.values())))
+        lines += [
+            "",
+            f"## Training quality: the main job's model ({args.steps} steps, "
+            "examples/train_charlm.py defaults otherwise)",
+            "",
+            "Step time: median seconds per step relative to `amp bf16, f32 master`; "
+            "the variants train round-robin in one process (one step of each in "
+            "turn, same batches), so a busy machine slows all alike.",
+            "",
+            "| variant | val loss | vs f32 master | step time ratio |",
+            "|---|---|---|---|",
+        ]
+        for name, t in train.items():
+            rel = t["val_loss"] / ref["val_loss"] - 1
+            lines.append(
+                f"| {name} | {t['val_loss']:.3f} | {rel:+.1%} "
+                f"| {t['step_s'] / ref['step_s']:.2f}x |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--width", type=int, default=1024, help="d_model of part 1")
+    p.add_argument("--heads", type=int, default=16, help="heads of part 1")
+    p.add_argument("--seq-len", type=int, default=1024, help="part 1")
+    p.add_argument("--batch-size", type=int, default=8, help="part 1")
+    p.add_argument("--layers", type=int, nargs=2, default=(2, 4), help="part 1 fit")
+    p.add_argument("--steps", type=int, default=300, help="part 2 (0: skip)")
+    p.add_argument("--variants", nargs="*", default=None, help="names (default all)")
+    p.add_argument("--map-check", type=int, default=0, help="steps (0: skip)")
+    p.add_argument("--out", default=None, help="write the Markdown here")
+    args = p.parse_args(argv)
+    chosen = [v for v in VARIANTS if not args.variants or v.name in args.variants]
+    big = tc.Config(
+        d_model=args.width,
+        heads=args.heads,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+    )
+    mem = {}
+    for v in chosen:
+        mem[v.name] = fit(v, big, tuple(args.layers))
+        print(v.name, mem[v.name]["row"], flush=True)
+    train = {}
+    if args.steps:
+        cfg = tc.Config(steps=args.steps)
+        data = tc.load_corpus(cfg.data_dir, cfg.max_bytes)
+        train = train_all(chosen, cfg, data)
+    text = report(mem, train, args)
+    if args.map_check:
+        text += "\n" + map_check(args.map_check) + "\n"
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

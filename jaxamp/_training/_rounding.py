@@ -1,0 +1,208 @@
+"""Bit-level rounding to bfloat16 and block-wise 8-bit codes for optimizer state.
+
+Every rounding here is written with integer bit operations or
+``lax.reduce_precision``: XLA keeps a value in a wider type than its dtype when
+``xla_allow_excess_precision`` is on (the default), which can remove a rounding
+written as an ``astype`` round trip (jax#6283, jax#23007). Bit operations and
+``reduce_precision`` are never removed.
+
+Random bits come from a stateless integer hash of (seed, step, stream, global
+element index), as llm.c's stochastic rounding does (``llmc/adamw.cuh``): no RNG
+state, and the same bits for an array on one device or sharded over a mesh.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+_U32 = jnp.uint32
+_GOLDEN = 0x9E3779B1
+_BF16_MAX_BITS = 0x7F7F  # largest finite bfloat16, bit pattern of its magnitude
+
+
+def _fmix32(h: jax.Array) -> jax.Array:
+    """MurmurHash3's 32-bit finalizer: a bijection of uint32 with full avalanche
+    (Appleby, MurmurHash3, public domain)."""
+    h = h ^ (h >> 16)
+    h = h * _U32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * _U32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def global_index(shape: tuple[int, ...]) -> jax.Array:
+    """Row-major flat index of every element of an array of ``shape`` (uint32).
+
+    Built from ``broadcasted_iota``, so under ``jit`` with a sharded operand each
+    shard computes the indices of its own elements in the *global* array.
+    """
+    flat = jnp.zeros(shape, _U32)
+    stride = 1
+    for d in reversed(range(len(shape))):
+        flat = flat + lax.broadcasted_iota(_U32, shape, d) * _U32(stride % 2**32)
+        stride *= shape[d]
+    return flat
+
+
+def noise_bits(
+    shape: tuple[int, ...], seed: int, step: jax.Array, stream: int
+) -> jax.Array:
+    """Uniform uint32 bits for each element of an array of ``shape``.
+
+    Args:
+        shape: the global (logical) shape of the array to round.
+        seed: Python int, the user's seed.
+        step: int32 scalar, the optimizer step (a new draw every step).
+        stream: Python int naming the buffer (leaf index and buffer kind), so
+            two buffers never share bits.
+
+    Returns:
+        uint32 array of ``shape``: a hash of (seed, step, stream, global index).
+    """
+    key = _fmix32(jnp.asarray((seed * _GOLDEN + stream) % 2**32, _U32))
+    key = _fmix32(key ^ (jnp.asarray(step).astype(_U32) * _U32(_GOLDEN)))
+    return _fmix32(_fmix32(global_index(shape) ^ key) + key)
+
+
+def _top_half_to_bf16(bits: jax.Array) -> jax.Array:
+    """The bfloat16 whose bit pattern is the top 16 bits of a uint32 array."""
+    return lax.bitcast_convert_type((bits >> 16).astype(jnp.uint16), jnp.bfloat16)
+
+
+def round_nearest_bf16(x: jax.Array) -> jax.Array:
+    """Round float32 ``x`` to bfloat16, to nearest even (overflow to inf, NaN kept).
+
+    ``lax.reduce_precision`` performs the rounding (XLA never removes it) and
+    the result's top 16 bits are taken as the bfloat16, an exact step.
+    """
+    x = lax.reduce_precision(x.astype(jnp.float32), exponent_bits=8, mantissa_bits=7)
+    return _top_half_to_bf16(lax.bitcast_convert_type(x, _U32))
+
+
+def round_stochastic_bf16(x: jax.Array, bits: jax.Array) -> jax.Array:
+    """Unbiased stochastic rounding of float32 ``x`` to bfloat16.
+
+    Adds the low 16 random bits to the low half of ``x``'s bit pattern and
+    truncates (torchao's ``_fp32_to_bf16_sr``, Zamirai et al. 2020): a value a
+    fraction ``f`` of the way from one bfloat16 neighbour to the next rounds up
+    with probability ``f``, so ``E[round(x)] = x``. Non-finite values are rounded
+    to nearest (inf and NaN kept); a finite value above the largest bfloat16
+    rounds to the largest bfloat16, never to inf.
+
+    Args:
+        x: float32 array.
+        bits: uint32 array of ``x``'s shape (from :func:`noise_bits`).
+
+    Returns:
+        bfloat16 array of ``x``'s shape.
+    """
+    x = x.astype(jnp.float32)
+    xb = lax.bitcast_convert_type(x, _U32)
+    up = (xb + (bits & _U32(0xFFFF))) & _U32(0xFFFF0000)
+    sign = up & _U32(0x80000000)
+    overflow = ((up >> 16) & _U32(0x7FFF)) > _U32(_BF16_MAX_BITS)
+    up = jnp.where(overflow, sign | _U32(_BF16_MAX_BITS << 16), up)
+    return jnp.where(jnp.isfinite(x), _top_half_to_bf16(up), round_nearest_bf16(x))
+
+
+def code_values(idx: jax.Array) -> jax.Array:
+    """bitsandbytes' signed dynamic quantization map (Dettmers et al. 2022,
+    "8-bit Optimizers via Block-wise Quantization", section 2.2): the float32
+    value in [-1, 1] of each code index 0..255, computed elementwise.
+
+    Seven decades ``10^(i-6)``, ``i = 0..6``; decade ``i`` holds the midpoints
+    of ``2^i + 1`` equally spaced points in ``[0.1, 1]`` (``2^i`` values), with
+    both signs; then 0 (index 127) and 1 (index 255), sorted. Small magnitudes
+    keep relative precision, which linear codes lose (a second moment 1e-4 of
+    its block's largest becomes 0). Arithmetic rather than a table lookup, so
+    that XLA fuses decoding into the optimizer's update.
+    """
+    idx = idx.astype(jnp.int32)
+    pos = jnp.where(idx >= 128, idx - 128, 126 - idx)  # rank among one sign
+    i = sum((pos + 1 >= 2**j).astype(jnp.int32) for j in range(1, 7))
+    n = jnp.left_shift(1, i).astype(jnp.float32)
+    k = (pos + 1).astype(jnp.float32) - n
+    decade = jnp.float32(0)
+    for j in range(7):
+        decade = jnp.where(i == j, np.float32(10.0 ** (j - 6)), decade)
+    mag = decade * (0.1 + 0.9 * (k + 0.5) / n)
+    val = jnp.where(idx >= 128, mag, -mag)
+    val = jnp.where(idx == 127, 0.0, val)
+    return jnp.where(idx == 255, 1.0, val).astype(jnp.float32)
+
+
+class BlockQuantized(NamedTuple):
+    """An optimizer-state buffer stored as 8-bit codes with a float32 scale per
+    block of the flattened (global, row-major) array.
+
+    Attributes:
+        codes: int8, the buffer's shape; ``code + 128`` indexes the map.
+        scales: float32, shape ``(ceil(size / block_size),)``, each block's absmax.
+    """
+
+    codes: jax.Array
+    scales: jax.Array
+
+
+def _blocks(x: jax.Array, block_size: int) -> jax.Array:
+    flat = x.reshape(-1)
+    pad = (-flat.size) % block_size
+    if pad:
+        flat = jnp.pad(flat, (0, pad))
+    return flat.reshape(-1, block_size)
+
+
+def _nearest_code(v: jax.Array) -> jax.Array:
+    """Index (0..255) of the dynamic map's value nearest to each ``v`` in
+    [-1, 1], elementwise (XLA fuses it; a table search would not be).
+
+    The value's decade ``i`` and its slot ``k`` in that decade give a first
+    index; comparing it with its two neighbours in the sorted map corrects a
+    decade boundary or a ``log10`` rounding.
+    """
+    a = jnp.abs(v)
+    i = jnp.clip(jnp.floor(jnp.log10(jnp.maximum(a, 1e-7))) + 7.0, 0.0, 6.0)
+    n = jnp.exp2(i)
+    k = jnp.clip(jnp.round((a / 10.0 ** (i - 6.0) - 0.1) / 0.9 * n - 0.5), 0.0, n - 1)
+    pos = (n - 1.0 + k).astype(jnp.int32)  # values below this decade: 2**i - 1
+    idx = jnp.where(v < 0, 126 - pos, 128 + pos)
+    best = idx
+    for cand in (idx - 1, idx + 1):
+        cand = jnp.clip(cand, 0, 255)
+        closer = jnp.abs(code_values(cand) - v) < jnp.abs(code_values(best) - v)
+        best = jnp.where(closer, cand, best)
+    return best
+
+
+def quantize_blockwise(x: jax.Array, block_size: int) -> BlockQuantized:
+    """Block-wise absmax quantization of ``x`` to the dynamic map's 8-bit codes.
+
+    Blocks are consecutive ``block_size`` elements of the row-major flattened
+    global array, so a sharding of ``x`` does not change them. Each element gets
+    the nearest code of ``x / absmax(block)``.
+
+    Args:
+        x: float array of any shape.
+        block_size: elements per block (bitsandbytes and torchao use 256).
+
+    Returns:
+        :class:`BlockQuantized` with ``codes`` of ``x``'s shape.
+    """
+    blocks = _blocks(x.astype(jnp.float32), block_size)
+    scales = jnp.max(jnp.abs(blocks), axis=1)
+    safe = jnp.where(scales > 0, scales, jnp.float32(1))
+    idx = _nearest_code(blocks / safe[:, None])
+    codes = (idx - 128).astype(jnp.int8).reshape(-1)[: x.size].reshape(x.shape)
+    return BlockQuantized(codes, scales)
+
+
+def dequantize_blockwise(q: BlockQuantized, block_size: int) -> jax.Array:
+    """Float32 values of a :class:`BlockQuantized` buffer (its codes' shape)."""
+    vals = code_values(q.codes.astype(jnp.int32) + 128)
+    blocks = _blocks(vals, block_size) * q.scales[:, None]
+    return blocks.reshape(-1)[: q.codes.size].reshape(q.codes.shape)
