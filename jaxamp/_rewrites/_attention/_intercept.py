@@ -55,6 +55,8 @@ def intercept():
 
 @contextlib.contextmanager
 def not_intercepting():
+    """Within it, ``jax.nn.dot_product_attention`` runs as JAX writes it (the
+    kernels re-dispatching a marked call must not be marked again)."""
     with _INTERCEPTING(False):
         yield
 
@@ -234,6 +236,8 @@ def _emit(spec: Spec, q, k, v, bias, mask, q_seqlen, kv_seqlen):
 
 
 def unpack(spec: Spec, arrays) -> tuple:
+    """``(q, k, v, bias, mask, q_seqlen, kv_seqlen)`` from a marked call's
+    operands, None for the optional ones ``spec`` says it was not given."""
     it = iter(arrays)
     q, k, v = next(it), next(it), next(it)
     flags = (spec.has_bias, spec.has_mask, spec.has_q_seqlen, spec.has_kv_seqlen)
@@ -242,6 +246,8 @@ def unpack(spec: Spec, arrays) -> tuple:
 
 
 def marked_spec(eqn: Any) -> Spec | None:
+    """The :class:`Spec` of an intercepted ``dot_product_attention`` call
+    (a ``jit`` equation carrying the mark in its name), or None."""
     if eqn.primitive.name not in ("jit", "pjit"):
         return None
     name = str(eqn.params.get("name", ""))

@@ -260,6 +260,8 @@ def _merge(x: Any, full: tuple, groups: list[list[int]]) -> Any:
 
 
 def run_hand(pieces: Any, read, compute_dtype, mode, where):
+    """A matched hand-written attention (matmul, softmax, matmul) re-dispatched
+    to the fused kernel for ``mode``, its output in the matched layout."""
     (lb, lc), (rb, rc) = pieces.qdims, pieces.kdims
     q, k, v = read(pieces.q), read(pieces.k), read(pieces.v)
     nb = len(lb)
@@ -327,6 +329,8 @@ def run_hand(pieces: Any, read, compute_dtype, mode, where):
 
 
 def run_marked(eqn: Any, spec: Spec, read, compute_dtype, mode, where):
+    """An intercepted ``jax.nn.dot_product_attention`` call re-dispatched for
+    ``mode``: ``[output]``, or None when its operands are not 4-D (batched)."""
     vals = [read(v) for v in eqn.invars]
     q, k, v, bias, mask, qs, kvs = unpack(spec, vals)
     if any(getattr(x, "ndim", 0) != 4 for x in (q, k, v)):  # e.g. batched by vmap
