@@ -68,6 +68,8 @@ SIZES = {  # d_model, layers, seq, batch, heads, vocab
     "cpu": (256, 4, 128, 8, 4, 512),  # CPU side-by-side ratios, not GPU speed
     "gpt1024": (1024, 12, 1024, 8, 16, 8192),
     "gpt2048": (2048, 8, 512, 16, 16, 8192),
+    # matmul-dominated (attention 2% of the FLOPs): gpu_suite.py's 8-bit part
+    "gpt4096": (4096, 4, 512, 8, 32, 8192),
 }
 PEAK = 989e12  # H100 SXM dense bf16 FLOP/s (datasheet)
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
@@ -180,10 +182,37 @@ def _unavailable(e: Exception) -> str:
     return f"unavailable on {jax.default_backend()}: {type(e).__name__}: {e}"[:160]
 
 
+def sgd_step(vg: Callable) -> Callable:
+    """``step(p, x, y) -> (p - 1e-3 * grad, loss)`` from ``vg(p, x, y) ->
+    (loss, grad)``: the timed training step (jit it with ``donate_argnums=0``)."""
+
+    def step(p, x, y):
+        value, g = vg(p, x, y)
+        return jax.tree.map(lambda a, b: a - 1e-3 * b, p, g), value
+
+    return step
+
+
 def measure(
-    size: str, steps: int, rounds: int, only: list[str] | None = None
+    size: str,
+    steps: int,
+    rounds: int,
+    only: list[str] | None = None,
+    found: dict[str, Callable | str] | None = None,
 ) -> list[dict]:
-    """One row per variant (fp32 first), timed in interleaved rounds."""
+    """One row per variant (fp32 first), timed in interleaved rounds.
+
+    Args:
+        size: a key of ``SIZES``.
+        steps: timed steps per round.
+        rounds: interleaved rounds; the row's step time is their median.
+        only: the variants to measure besides fp32 (None: all).
+        found: name -> loss (or a string saying why it is missing), with an
+            ``"fp32"`` entry; default :func:`variants`.
+
+    Returns:
+        One dict per variant: its figures, or ``missing`` (why not).
+    """
     params, x, y = init(size)
     d, L, T, B, _, V = SIZES[size]
     with jax.default_matmul_precision("highest"):
@@ -192,18 +221,14 @@ def measure(
         )
     rows: dict[str, dict] = {}
     steps_fn: dict[str, Callable] = {}
-    for name, loss in variants(size).items():
+    for name, loss in (variants(size) if found is None else found).items():
         if only and name not in only and name != "fp32":
             continue
         if isinstance(loss, str):
             rows[name] = {"variant": name, "missing": loss}
             continue
         vg, loss = _run.value_and_grad(loss), _run.plain_loss(loss)
-
-        def step(p, x, y, vg=vg):
-            value, g = vg(p, x, y)
-            return jax.tree.map(lambda a, b: a - 1e-3 * b, p, g), value
-
+        step = sgd_step(vg)
         try:
             with _warnings_quiet():
                 t0 = time.perf_counter()
@@ -276,6 +301,36 @@ COLUMNS = [
 ]
 
 
+def size_heading(size: str) -> str:
+    """The model's dimensions and FLOPs per step, one line."""
+    d, L, T, B, H, V = SIZES[size]
+    return (
+        f"{size}: d_model {d}, {L} layers (scan + checkpoint), seq {T}, batch {B}, "
+        f"{H} heads, vocab {V}; {model_flops(size) / 1e12:.2f} TFLOP/step"
+    )
+
+
+def table(rows: list[dict], columns: list[tuple] = COLUMNS) -> list[str]:
+    """Markdown table lines of :func:`measure`'s rows; ``columns`` as
+    ``COLUMNS``: (header, row key or None for the fmha sites, format)."""
+    lines = [
+        "| variant | " + " | ".join(c for c, _, _ in columns) + " |",
+        "|---" * (len(columns) + 1) + "|",
+    ]
+    for r in rows:
+        if "missing" in r:
+            lines.append(f"| {r['variant']} | {r['missing']} |")
+            continue
+        cells = []
+        for _, key, fmt in columns:
+            if key is None:
+                cells.append(f"{r.get('fmha_fwd', 0)}/{r.get('fmha_bwd', 0)}")
+            else:
+                cells.append(fmt.format(r[key]) if key in r else "")
+        lines.append(f"| {r['variant']} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def markdown(results: dict[str, list[dict]], meta: dict) -> str:
     lines = [
         "# Fused attention under amp: one GPT training step",
@@ -286,27 +341,7 @@ def markdown(results: dict[str, list[dict]], meta: dict) -> str:
         "",
     ]
     for size, rows in results.items():
-        d, L, T, B, H, V = SIZES[size]
-        lines += [
-            f"## {size}: d_model {d}, {L} layers (scan + checkpoint), seq {T}, "
-            f"batch {B}, {H} heads, vocab {V}; {model_flops(size) / 1e12:.2f} "
-            "TFLOP/step",
-            "",
-            "| variant | " + " | ".join(c for c, _, _ in COLUMNS) + " |",
-            "|---" * (len(COLUMNS) + 1) + "|",
-        ]
-        for r in rows:
-            if "missing" in r:
-                lines.append(f"| {r['variant']} | {r['missing']} |")
-                continue
-            cells = []
-            for _, key, fmt in COLUMNS:
-                if key is None:
-                    cells.append(f"{r.get('fmha_fwd', 0)}/{r.get('fmha_bwd', 0)}")
-                else:
-                    cells.append(fmt.format(r[key]) if key in r else "")
-            lines.append(f"| {r['variant']} | " + " | ".join(cells) + " |")
-        lines.append("")
+        lines += ["## " + size_heading(size), "", *table(rows), ""]
     return "\n".join(lines)
 
 

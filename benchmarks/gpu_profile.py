@@ -72,12 +72,7 @@ def main(argv=None) -> int:
         if isinstance(loss, str):
             print(f"{name}: {loss}")
             continue
-        vg = value_and_grad(loss)  # fp16: the loss-scaled gradient
-
-        def step(p, x, y, vg=vg):
-            value, g = vg(p, x, y)
-            return jax.tree.map(lambda a, b: a - 1e-3 * b, p, g), value
-
+        step = ga.sgd_step(value_and_grad(loss))  # fp16: the loss-scaled gradient
         compiled = jax.jit(step).lower(params, x, y).compile()
         slug = name.replace(" ", "_").replace(",", "")
         (out / f"{slug}.hlo.txt").write_text(compiled.as_text())

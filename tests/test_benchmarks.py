@@ -2,7 +2,12 @@
 
 import importlib.util
 import json
+import os
+import re
+import resource
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -200,3 +205,151 @@ def test_cross_replica_bn_benchmark_tiny(tmp_path, capsys):
     for name in ("amp vmap", "amp shard_map"):
         assert rows[name]["median"] < 1.3 * local + 1e-6, (name, rows[name], local)
     assert rows["fp32 vmap"]["median"] < 1e-5
+
+
+SUITE_PARTS = ["eight_bit", "gpt1024", "fp16_run", "memory", "compile"]
+
+
+@pytest.mark.slow
+def test_gpu_suite_dry_run(tmp_path):
+    """``python benchmarks/gpu_suite.py --dry-run`` (issue 34) runs every part
+    on the CPU at tiny sizes, as a user runs it, and writes the Markdown and
+    JSON with the machine, versions, date and each part's figures. Within 60 s:
+    of wall, or, on a machine shared with other work, of the child's CPU time
+    (what 60 s of wall on an idle 2-core machine allows)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)  # conftest's 8 host devices are not the suite's
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_suite.py"), "--dry-run"]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    r = subprocess.run(
+        [*cmd, "--out", str(tmp_path)], env=env, capture_output=True, text=True
+    )
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    md = (tmp_path / "RESULTS_GPU.md").read_text()
+    data = json.loads((tmp_path / "RESULTS_GPU.json").read_text())
+    meta = data["meta"]
+    for key in ("device", "cpu", "python", "jax", "jaxlib", "jaxamp", "commit"):
+        assert meta[key], key
+    assert meta["dry_run"] and meta["backend"] == "cpu"
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", meta["date"])
+    assert f"Measured {meta['date']}" in md and "**Dry run**" in md
+    assert f"JAX {meta['jax']}" in md and "## README rows" in md
+    parts = data["parts"]
+    assert list(parts) == SUITE_PARTS  # the suite's order, none skipped
+    for name, p in parts.items():
+        assert "error" not in p and p["seconds"] > 0, (name, p)
+        assert f"(`{name}`," in md
+
+    eight = {r["variant"]: r for r in parts["eight_bit"]["rows"]}
+    assert list(eight) == ["fp32", "jaxamp bf16", "jaxamp int8", "jaxamp fp8"]
+    assert eight["jaxamp bf16"]["eight_bit_flop_share"] == 0
+    for name in ("jaxamp int8", "jaxamp fp8"):
+        assert 0.5 < eight[name]["eight_bit_flop_share"] <= 1, eight[name]
+        assert eight[name]["step_ms"] > 0 and eight[name]["speedup_vs_bf16"] > 0
+        # 8-bit noise on top of bf16's, far from a broken gradient
+        assert eight["jaxamp bf16"]["grad_rel_l2"] < eight[name]["grad_rel_l2"] < 0.5
+
+    gpt = {r["variant"]: r for r in parts["gpt1024"]["rows"]}
+    assert list(gpt) == ["fp32", "jaxamp bf16", "hand bf16 cudnn"]
+    assert gpt["jaxamp bf16"]["grad_rel_l2"] < 3e-2 and gpt["fp32"]["mfu"] >= 0
+    assert "unavailable on cpu" in gpt["hand bf16 cudnn"]["missing"]
+
+    runs = parts["fp16_run"]["runs"]
+    assert list(runs) == ["fp16", "bf16"]
+    assert runs["fp16"]["final_loss_scale"] >= 1 and runs["bf16"]["skipped_steps"] == 0
+    assert abs(runs["fp16"]["val_loss"] - runs["bf16"]["val_loss"]) < 0.05, runs
+
+    mem = {r["variant"]: r for r in parts["memory"]["rows"]}
+    assert "amp bf16, f32 master" in mem and "amp, bf16 params + SR, int8 state" in mem
+    for r in mem.values():
+        assert r["layers"] == [4, 8] and r["params"][1] > r["params"][0]
+        # at least the parameters themselves (2 or 4 bytes) per added parameter
+        assert 2 < r["bytes_per_param"] < 100, r
+    skipped = " ".join(parts["memory"]["skipped"])
+    assert ("FP8 residuals" in skipped) != gpu_suite_has_residual_dtype()
+
+    comp = {r["variant"]: r for r in parts["compile"]["rows"]}
+    assert list(comp) == ["jaxamp bf16", "hand bf16 xla"]  # no cuDNN on CPU
+    assert all(r["compile_s"] > 0 and r["trace_s"] > 0 for r in comp.values())
+    assert min(wall, cpu) < 60, f"dry run: {wall:.0f} s wall, {cpu:.0f} s CPU"
+
+
+def gpu_suite_has_residual_dtype() -> bool:
+    import gpu_suite
+
+    return gpu_suite.has_residual_dtype()
+
+
+def test_gpu_suite_budget_skips_with_reasons(capsys):
+    """Parts run in the suite's order; one whose estimate exceeds the budget
+    left is skipped with a printed reason while cheaper later parts still run;
+    one that raises is recorded and the next runs."""
+    import gpu_suite as gs
+
+    ran = []
+
+    def make(name, fail=False):
+        def run(dry_run, budget):
+            ran.append(name)
+            if fail:
+                raise RuntimeError("boom")
+            return {"md": [f"{name} ran"], "skipped": [] if dry_run else ["x"]}
+
+        return run
+
+    parts = [
+        gs.Part("a", "A", make("a"), (1e9, 0.0)),
+        gs.Part("big", "Big", make("big"), (1e9, 1e9)),
+        gs.Part("bad", "Bad", make("bad", fail=True), (0.0, 0.0)),
+        gs.Part("c", "C", make("c"), (1e9, 0.0)),
+    ]
+    out = gs.run_parts(parts, dry_run=True, budget=gs.Budget(100.0))
+    assert ran == ["a", "bad", "c"]
+    assert list(out) == ["a", "big", "bad", "c"]
+    (reason,) = out["big"]["skipped"]
+    assert (
+        reason.startswith("big: skipped, needs ~1000000000 s")
+        and "--budget-s 100" in reason
+    )
+    assert reason in capsys.readouterr().out
+    assert out["bad"]["error"] == "RuntimeError: boom"
+    assert "c ran" in out["c"]["md"]
+    assert gs.Budget(0.0).skip_reason("x", 1.0).startswith("x: skipped")
+    assert gs.Budget(10.0).skip_reason("x", 1.0) is None
+
+
+def test_gpu_suite_names_and_features(monkeypatch):
+    """The suite's gpt1024 variants exist in gpu_attention.py (a rename would
+    otherwise drop them silently), and the FP8-residual memory variant appears
+    exactly when ``jaxamp.amp`` takes ``residual_dtype=``."""
+    import gpu_attention
+    import gpu_suite as gs
+
+    assert set(gs.GPT1024_VARIANTS) <= set(gpu_attention.variants("tiny"))
+    names = lambda: [v.name for v in gs.memory_variants()]
+    monkeypatch.setattr(gs, "has_residual_dtype", lambda: False)
+    assert not any("FP8" in n for n in names())
+    monkeypatch.setattr(gs, "has_residual_dtype", lambda: True)
+    assert names()[-1] == "amp bf16, FP8 residuals, f32 master"
+
+
+def test_readme_gpu_rows_name_their_date():
+    """Every README table row that cites RESULTS_GPU.md names the date of its
+    figures, and RESULTS_GPU.md says it measured on that date."""
+    readme = (ROOT / "README.md").read_text()
+    results = (ROOT / "benchmarks" / "RESULTS_GPU.md").read_text()
+    rows = [
+        ln
+        for ln in readme.splitlines()
+        if ln.startswith("|") and "RESULTS_GPU.md" in ln
+    ]
+    assert rows
+    for row in rows:
+        dates = re.findall(r"\d{4}-\d{2}-\d{2}", row)
+        assert dates, f"README row without a date: {row}"
+        for d in dates:
+            assert re.search(rf"Measured[^.]*{d}", results), (d, row)

@@ -1,0 +1,738 @@
+"""Every GPU check in one command, within a device lease (issue 34).
+
+    python benchmarks/gpu_suite.py                   # on one NVIDIA GPU, ~7 min
+    python benchmarks/gpu_suite.py --dry-run         # CPU, tiny sizes, < 1 min
+    python benchmarks/gpu_suite.py --parts eight_bit,gpt1024 --budget-s 300
+
+Parts, in the order they run: the most informative first, so that a budget that
+runs short drops the figures we can best do without. Each has an estimated cost
+on one H100 (``--dry-run``: on a 2-core CPU); a part whose estimate exceeds the
+budget left is skipped with a printed reason, and the next, cheaper parts still
+try. Parts with several sub-measurements (variants, modes, layer counts) skip
+the rest with a reason once the budget runs out inside them.
+
+1. ``eight_bit`` (~150 s): FP8 and int8 against bf16 on the matmul-dominated
+   GPT ``gpt4096`` of ``gpu_attention.py`` (d_model 4096, 4 layers, seq 512,
+   batch 8; attention 2% of the FLOPs) with the policies' default size rules:
+   ms/step, speed against bf16, MFU (against the bf16 peak), gradient error
+   against float32, and the share of matmul FLOPs that ran in 8 bits
+   (``jaxamp.eight_bit_flop_share``). Never measured on a GPU before: the
+   README's "8-bit at or above bf16's speed where it pays".
+2. ``gpt1024`` (~150 s): the gpt1024 training step of ``gpu_attention.py``
+   (d_model 1024, 12 layers, seq 1024, batch 8): fp32, jaxamp bf16, hand-written
+   bf16 with cuDNN attention, jmp, mpx; interleaved timing (median of 5 rounds
+   of 10 steps), ms/step, MFU, temp and residual MiB, gradient error and loss
+   difference against float32, cuDNN/cuBLAS call sites. The README's headline.
+3. ``fp16_run`` (~60 s): 200 steps of the main job's model
+   (``examples/train_charlm.py`` defaults) in float16 with dynamic loss
+   scaling, and in bf16: skipped steps, forward overflows, final loss scale,
+   validation loss of fp16 against bf16, tokens/s.
+4. ``memory`` (~100 s, compile only): the training step's peak bytes per added
+   parameter, ``(peak(8 layers) - peak(4 layers)) / parameters added`` with
+   peak = arguments + outputs - aliased + temp of XLA's ``memory_analysis()`` of
+   the jitted step, parameters and AdamW state donated (``benchmarks/memory.py``'s
+   measure), on the main job's GPT at width 1024 in two regimes (seq 256, batch 1:
+   parameters dominate; seq 1024, batch 8: activations dominate): float32
+   master weights, bf16 parameters + stochastic rounding with bf16 and with
+   int8 state, and bf16 compute with FP8-stored residuals (skipped, with the
+   reason printed, while ``jaxamp.amp`` has no ``residual_dtype=``).
+5. ``compile`` (~60 s): trace, lowering and compile seconds of the gpt1024 step,
+   jaxamp bf16 against the hand-written bf16 model (cuDNN attention; the XLA
+   attention where the backend has no cuDNN), caches cleared before each,
+   interleaved, median of 2 repeats.
+
+Budget: ``--budget-s`` (default 420 s, 7 min: with interpreter start and JAX
+initialisation the run stays within 8 minutes of wall). The file records the
+wall time, each part's seconds and every skip with its reason.
+
+Outputs: ``RESULTS_GPU.md`` and ``RESULTS_GPU.json`` in ``--out`` (a folder;
+default ``benchmarks/``, so a GPU run replaces the committed results; with
+``--dry-run`` a new temporary folder, never ``benchmarks/``). The Markdown has
+the machine (device, driver, CPU), the versions (Python, JAX, jaxlib, jaxamp
+and its git commit, optax, jmp, mpx), the UTC date ("Measured YYYY-MM-DD"),
+the README's GPU rows ready to paste (each with that date), and one section
+per part. The JSON holds the same figures (``meta``, ``parts``). Exit status 1
+if a part raised (its traceback is printed and recorded), 2 without a GPU and
+without ``--dry-run``.
+
+On the device machine (``run`` tool; JAX 0.11 with CUDA is preinstalled there,
+jmp and mpx travel as wheels in ``.whl``, see docs/guide.md), one call with
+``carry: [".whl"]`` and ``timeout_s: 540``::
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \\
+        --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit
+    PYTHONUNBUFFERED=1 python3 benchmarks/gpu_suite.py --out $OUT --budget-s 420 \\
+        --note "commit $(cat .commit 2>/dev/null)" 2>&1 | tee $OUT/log
+
+then copy ``RESULTS_GPU.md`` and ``RESULTS_GPU.json`` from the returned files
+into ``benchmarks/`` and paste the "README rows" section into the README.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import importlib.metadata
+import inspect
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+if __name__ == "__main__" and "--dry-run" in sys.argv:
+    # A dry run times nothing: XLA's cheapest code generation shortens its
+    # compiles (read when the backend starts, so set before any JAX call).
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "")
+        + " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes"
+    )
+
+import jax
+import jax.numpy as jnp
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's jaxamp
+sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import gpu_attention as ga  # noqa: E402
+import run as _run  # noqa: E402
+import train_charlm as tc  # noqa: E402
+
+import jaxamp  # noqa: E402
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+E4M3 = jnp.float8_e4m3fn
+
+
+@dataclasses.dataclass
+class Budget:
+    """The suite's deadline: ``left()`` seconds remain of ``total_s``."""
+
+    total_s: float
+    start: float = dataclasses.field(default_factory=time.perf_counter)
+
+    def left(self) -> float:
+        return self.total_s - (time.perf_counter() - self.start)
+
+    def skip_reason(self, what: str, need_s: float) -> str | None:
+        """Why ``what`` (estimated ``need_s`` seconds) cannot run now, or None."""
+        left = self.left()
+        if need_s <= left:
+            return None
+        return (
+            f"{what}: skipped, needs ~{need_s:.0f} s and {max(left, 0):.0f} s of "
+            f"--budget-s {self.total_s:g} are left"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One check of the suite.
+
+    Attributes:
+        name: the ``--parts`` name and JSON key.
+        title: the Markdown section's title.
+        run: ``run(dry_run, budget) -> dict`` with ``md`` (Markdown lines) and
+            the figures; ``skipped`` lists the reasons of sub-steps not run.
+        estimate_s: ``(on a GPU, dry run on 2 CPU cores)`` seconds.
+    """
+
+    name: str
+    title: str
+    run: Callable[[bool, Budget], dict]
+    estimate_s: tuple[float, float]
+
+
+# --- 1. 8-bit against bf16 ----------------------------------------------------
+
+
+def eight_bit_variants(size: str, dry_run: bool) -> dict[str, Callable]:
+    """fp32, bf16, int8 and FP8 losses of ``gpu_attention``'s model ``size``.
+
+    The 8-bit policies keep their default size rules (torchao's H100
+    crossovers) except in a dry run, whose tiny matmuls they would all skip.
+    """
+    base = ga.make_loss(size, None, hand=False)
+    kw = {"size_rule": None} if dry_run else {}
+    amp = lambda policy: jaxamp.amp(base, compute_dtype=BF16, amp_policy=policy)
+    return {
+        "fp32": base,
+        "jaxamp bf16": jaxamp.amp(base, compute_dtype=BF16),
+        "jaxamp int8": amp(jaxamp.int8_policy(**kw)),
+        "jaxamp fp8": amp(jaxamp.fp8_policy(**kw)),
+    }
+
+
+EIGHT_BIT_COLUMNS = [
+    ("step ms", "step_ms", "{:.1f}"),
+    ("speed vs bf16", "speedup_vs_bf16", "{:.2f}x"),
+    ("MFU (bf16 peak)", "mfu", "{:.1%}"),
+    ("8-bit FLOP share", "eight_bit_flop_share", "{:.2f}"),
+    ("temp MiB", "temp_mib", "{:.0f}"),
+    ("grad rel. L2 vs fp32", "grad_rel_l2", "{:.1e}"),
+    ("loss diff", "loss_diff", "{:.1e}"),
+    ("compile s", "compile_s", "{:.1f}"),
+]
+
+
+def part_eight_bit(dry_run: bool, budget: Budget) -> dict:
+    size = "tiny" if dry_run else "gpt4096"
+    steps, rounds = (1, 1) if dry_run else (10, 5)
+    found = eight_bit_variants(size, dry_run)
+    rows = ga.measure(size, steps, rounds, found=found)
+    shapes = jax.eval_shape(lambda: ga.init(size))
+    bf16 = next(r for r in rows if r["variant"] == "jaxamp bf16")
+    for r in rows:
+        if "missing" in r:
+            continue
+        grad = jax.make_jaxpr(jax.grad(found[r["variant"]]))(*shapes)
+        r["eight_bit_flop_share"] = jaxamp.eight_bit_flop_share(grad)
+        if "step_ms" in bf16:
+            r["speedup_vs_bf16"] = bf16["step_ms"] / r["step_ms"]
+    note = (
+        "Dry run: every matmul quantized (`size_rule=None`), one step."
+        if dry_run
+        else "Default size rules (torchao's H100 crossovers); median of 5 "
+        "interleaved rounds of 10 steps."
+    )
+    md = [ga.size_heading(size), "", note, "", *ga.table(rows, EIGHT_BIT_COLUMNS)]
+    return {"size": size, "rows": rows, "md": md}
+
+
+# --- 2. the gpt1024 step --------------------------------------------------------
+
+GPT1024_VARIANTS = ["fp32", "jaxamp bf16", "hand bf16 cudnn", "jmp bf16", "mpx bf16"]
+
+
+def part_gpt1024(dry_run: bool, budget: Budget) -> dict:
+    missing = set(GPT1024_VARIANTS) - set(ga.variants("tiny"))
+    if missing:
+        raise ValueError(f"gpu_attention.py has no variants {sorted(missing)}")
+    size = "tiny" if dry_run else "gpt1024"
+    steps, rounds = (1, 1) if dry_run else (10, 5)
+    # A dry run leaves out the peers (each one compile; gpu_attention's test
+    # runs them): on the GPU they are the comparison.
+    only = GPT1024_VARIANTS[:3] if dry_run else GPT1024_VARIANTS
+    rows = ga.measure(size, steps, rounds, only=only)
+    md = [ga.size_heading(size), "", *ga.table(rows)]
+    return {"size": size, "rows": rows, "md": md}
+
+
+# --- 3. 200 float16 steps of the main job ------------------------------------------
+
+
+def fp16_config(dry_run: bool) -> tc.Config:
+    """The main job's configuration (200 steps, no sampling); tiny in a dry run."""
+    if dry_run:
+        return tc.Config(
+            steps=3, batch_size=2, seq_len=16, d_model=32, layers=1, heads=2,
+            warmup=1, max_bytes=200_000, eval_batches=1, sample_chars=0,
+        )  # fmt: skip
+    return tc.Config(steps=200, sample_chars=0)
+
+
+FP16_KEYS = [
+    "val_loss",
+    "skipped_steps",
+    "forward_overflows",
+    "final_loss_scale",
+    "tokens_per_s",
+    "wall_s",
+]
+
+
+def part_fp16_run(dry_run: bool, budget: Budget) -> dict:
+    cfg = fp16_config(dry_run)
+    data = tc.load_corpus(cfg.data_dir, cfg.max_bytes)
+    runs, skipped = {}, []
+    for mode in ("fp16", "bf16"):
+        need = runs["fp16"]["wall_s"] if runs else 0.0
+        reason = budget.skip_reason(f"mode {mode}", need)
+        if reason:
+            skipped.append(reason)
+            continue
+        r = tc.train(cfg, mode, data, progress=False)
+        runs[mode] = {k: r[k] for k in FP16_KEYS}
+    lines = [
+        f"examples/train_charlm.py's model: d_model {cfg.d_model}, {cfg.layers} "
+        f"layers, seq {cfg.seq_len}, batch {cfg.batch_size}; {cfg.steps} steps, "
+        "AdamW; fp16 with dynamic loss scaling (initial scale 2**15) and "
+        "non-finite steps skipped.",
+        "",
+        "| mode | val loss | vs bf16 | skipped steps | forward overflows "
+        "| final loss scale | tokens/s | wall s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for mode, r in runs.items():
+        rel = (
+            f"{r['val_loss'] - runs['bf16']['val_loss']:+.3f}" if "bf16" in runs else ""
+        )
+        tps = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else ""
+        lines.append(
+            f"| {mode} | {r['val_loss']:.3f} | {rel} | {r['skipped_steps']} "
+            f"| {r['forward_overflows']} | {r['final_loss_scale']:g} | {tps} "
+            f"| {r['wall_s']:.1f} |"
+        )
+    return {
+        "config": dataclasses.asdict(cfg),
+        "runs": runs,
+        "md": lines,
+        "skipped": skipped,
+    }
+
+
+# --- 4. memory slopes ------------------------------------------------------------
+
+
+def step_peak_bytes(step: Callable, args: tuple, donate_argnums: tuple) -> int:
+    """Peak bytes of one jitted call: arguments + outputs - aliased + temp of
+    XLA's ``compiled.memory_analysis()`` (compile only; ``args`` may be
+    ``jax.ShapeDtypeStruct`` trees).
+
+    Raises:
+        RuntimeError: if the backend gives no memory analysis.
+    """
+    compiled = jax.jit(step, donate_argnums=donate_argnums).lower(*args).compile()
+    m = compiled.memory_analysis()
+    if m is None:
+        raise RuntimeError(f"no memory_analysis() on {jax.default_backend()}")
+    return (
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        - m.alias_size_in_bytes
+        + m.temp_size_in_bytes
+    )
+
+
+def peak_slope(build: Callable, layers: tuple[int, int]) -> dict:
+    """Bytes per added parameter of a step's peak between two layer counts.
+
+    Args:
+        build: ``build(n_layers) -> (step, args, donate_argnums)``; ``args[0]``
+            is the parameter tree (arrays or shape structs).
+        layers: two layer counts, e.g. ``(4, 8)``.
+
+    Returns:
+        ``peak`` (bytes at each count), ``params`` (parameter counts),
+        ``bytes_per_param`` (the slope), ``per_layer`` and ``fixed`` bytes.
+    """
+    peaks, counts = [], []
+    for n in layers:
+        step, args, donate = build(n)
+        peaks.append(step_peak_bytes(step, args, donate))
+        counts.append(sum(a.size for a in jax.tree.leaves(args[0])))
+    per_layer = (peaks[1] - peaks[0]) / (layers[1] - layers[0])
+    return {
+        "layers": list(layers),
+        "peak": peaks,
+        "params": counts,
+        "bytes_per_param": (peaks[1] - peaks[0]) / (counts[1] - counts[0]),
+        "per_layer": per_layer,
+        "fixed": peaks[0] - per_layer * layers[0],
+    }
+
+
+def has_residual_dtype() -> bool:
+    """Whether ``jaxamp.amp`` takes ``residual_dtype=`` (FP8-stored residuals)."""
+    return "residual_dtype" in inspect.signature(jaxamp.amp).parameters
+
+
+def memory_variants() -> list:
+    """``benchmarks/memory.py`` Variants of the memory part; the FP8-residual
+    one only where ``jaxamp.amp`` takes ``residual_dtype=``."""
+    import memory
+
+    bf16 = lambda loss: jaxamp.amp(loss, compute_dtype=BF16)
+    V = memory.Variant
+    out = [
+        V("amp bf16, f32 master", bf16),
+        V("amp, bf16 params + SR, bf16 state", bf16, "bfloat16"),
+        V("amp, bf16 params + SR, int8 state", bf16, "bfloat16", state="int8"),
+    ]
+    if has_residual_dtype():
+        fp8 = lambda loss: jaxamp.amp(loss, compute_dtype=BF16, residual_dtype=E4M3)
+        out.append(V("amp bf16, FP8 residuals, f32 master", fp8))
+    return out
+
+
+def memory_regimes(dry_run: bool) -> dict[str, tc.Config]:
+    """name -> the main job's Config at a GPU-like width (one tiny one in a
+    dry run)."""
+    if dry_run:
+        c = tc.Config(d_model=32, heads=2, seq_len=8, batch_size=1)
+        return {"params dominate (seq 8, batch 1)": c}
+    c = tc.Config(d_model=1024, heads=16)
+    return {
+        "params dominate (seq 256, batch 1)": dataclasses.replace(
+            c, seq_len=256, batch_size=1
+        ),
+        "activations dominate (seq 1024, batch 8)": dataclasses.replace(
+            c, seq_len=1024, batch_size=8
+        ),
+    }
+
+
+def main_job_step(variant, cfg: tc.Config) -> Callable:
+    """``build(n_layers)`` for :func:`peak_slope`: ``benchmarks/memory.py``'s
+    step of ``variant`` on shape structs (nothing allocated)."""
+    import memory
+
+    def build(n: int):
+        _, opt, step, c = memory.setup(variant, dataclasses.replace(cfg, layers=n))
+        params = jax.eval_shape(lambda: tc.initial_params(c))
+        with jax.numpy_dtype_promotion("standard"):  # optax (see train_charlm)
+            state = jax.eval_shape(opt.init, params)
+        x = jax.ShapeDtypeStruct((c.batch_size, c.seq_len), jnp.int32)
+        return step, (params, state, x, x), (0, 1)
+
+    return build
+
+
+def part_memory(dry_run: bool, budget: Budget) -> dict:
+    layers = (4, 8)
+    rows, skipped, last_s = [], [], 0.0
+    if not has_residual_dtype():
+        skipped.append(
+            "FP8 residuals: skipped, jaxamp.amp has no residual_dtype= (issue 32)"
+        )
+    regimes, variants = memory_regimes(dry_run), memory_variants()
+    if dry_run:  # compile only, but each compile costs seconds on the CPU
+        variants = [variants[0], variants[2], *variants[3:]]
+    for regime, cfg in regimes.items():
+        for v in variants:
+            reason = budget.skip_reason(f"{v.name}, {regime}", last_s)
+            if reason:
+                skipped.append(reason)
+                continue
+            t0 = time.perf_counter()
+            fit = peak_slope(main_job_step(v, cfg), layers)
+            last_s = time.perf_counter() - t0
+            rows.append({"variant": v.name, "regime": regime, **fit})
+    lines = [
+        f"The main job's GPT (examples/train_charlm.py) at d_model "
+        f"{next(iter(memory_regimes(dry_run).values())).d_model}, AdamW, "
+        f"layers {layers[0]} and {layers[1]}; peak = arguments + outputs - "
+        "aliased + temp of the donated step's `memory_analysis()`.",
+        "",
+        "| variant | regime | B per added param | MiB per layer | fixed MiB "
+        f"| peak MiB at {layers[0]} | peak MiB at {layers[1]} |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['variant']} | {r['regime']} | {r['bytes_per_param']:.2f} "
+            f"| {r['per_layer'] / 2**20:.1f} | {r['fixed'] / 2**20:.0f} "
+            f"| {r['peak'][0] / 2**20:.0f} | {r['peak'][1] / 2**20:.0f} |"
+        )
+    return {"rows": rows, "md": lines, "skipped": skipped}
+
+
+# --- 5. compile time ----------------------------------------------------------------
+
+
+def compile_variants(size: str) -> tuple[dict[str, Callable], str | None]:
+    """jaxamp bf16 and the hand-written bf16 loss with cuDNN attention, or
+    with XLA attention (and the reason) where cuDNN cannot be lowered here."""
+    shapes = jax.eval_shape(lambda: ga.init(size))
+    hand = ga.make_loss(size, "cudnn", hand=True)
+    note = None
+    try:
+        with ga._warnings_quiet():
+            jax.jit(jax.grad(hand)).lower(*shapes).compile()
+        name = "hand bf16 cudnn"
+    except Exception as e:
+        note = f"hand bf16 cudnn {ga._unavailable(e)}; hand bf16 xla instead"
+        hand, name = ga.make_loss(size, "xla", hand=True), "hand bf16 xla"
+    base = ga.make_loss(size, None, hand=False)
+    return {"jaxamp bf16": jaxamp.amp(base, compute_dtype=BF16), name: hand}, note
+
+
+def part_compile(dry_run: bool, budget: Budget) -> dict:
+    size = "tiny" if dry_run else "gpt1024"
+    repeats = 1 if dry_run else 2
+    fns, note = compile_variants(size)
+    shapes = jax.eval_shape(lambda: ga.init(size))
+    trace = _run._trace_times(fns, shapes, repeats)
+    lower: dict[str, list[float]] = {n: [] for n in fns}
+    comp: dict[str, list[float]] = {n: [] for n in fns}
+    for _ in range(repeats):  # interleaved, caches cleared before each
+        for name, f in fns.items():
+            jax.clear_caches()
+            step = ga.sgd_step(jax.value_and_grad(f))
+            t0 = time.perf_counter()
+            lowered = jax.jit(step, donate_argnums=0).lower(*shapes)
+            t1 = time.perf_counter()
+            with ga._warnings_quiet():
+                lowered.compile()
+            lower[name].append(t1 - t0)
+            comp[name].append(time.perf_counter() - t1)
+    rows = [
+        {
+            "variant": n,
+            "trace_s": trace[n],
+            "lower_s": statistics.median(lower[n]),
+            "compile_s": statistics.median(comp[n]),
+        }
+        for n in fns
+    ]
+    for r in rows:
+        r["total_s"] = r["lower_s"] + r["compile_s"]
+    hand = rows[1]
+    lines = [ga.size_heading(size), ""]
+    if note:
+        lines += [note, ""]
+    lines += [
+        f"Median of {repeats} interleaved repeats, `jax.clear_caches()` before "
+        "each; trace: `make_jaxpr(value_and_grad)`; lower and compile: the "
+        "donated SGD step.",
+        "",
+        "| variant | trace s | lower s | compile s | lower + compile s "
+        f"| vs {hand['variant']} |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['variant']} | {r['trace_s']:.2f} | {r['lower_s']:.2f} "
+            f"| {r['compile_s']:.2f} | {r['total_s']:.2f} "
+            f"| {r['total_s'] / hand['total_s']:.2f}x |"
+        )
+    return {"size": size, "rows": rows, "md": lines}
+
+
+PARTS = [
+    Part("eight_bit", "FP8 and int8 against bf16 (matmul-dominated GPT)",
+         part_eight_bit, (150, 12)),
+    Part("gpt1024", "The gpt1024 training step", part_gpt1024, (150, 12)),
+    Part("fp16_run", "200 float16 steps of the main job, dynamic loss scaling",
+         part_fp16_run, (60, 8)),
+    Part("memory", "Peak bytes per added parameter of the training step",
+         part_memory, (100, 12)),
+    Part("compile", "Compile time against the hand-written model",
+         part_compile, (60, 6)),
+]  # fmt: skip
+
+
+def run_parts(parts: list[Part], dry_run: bool, budget: Budget) -> dict[str, dict]:
+    """Run ``parts`` in order within ``budget``: a part whose estimate exceeds
+    the time left is skipped with a printed reason; one that raises is
+    recorded with its traceback and the next runs."""
+    out: dict[str, dict] = {}
+    for part in parts:
+        need = part.estimate_s[1 if dry_run else 0]
+        reason = budget.skip_reason(part.name, need)
+        if reason:
+            print(f"[{part.name}] {reason}", flush=True)
+            out[part.name] = {"skipped": [reason]}
+            continue
+        print(f"[{part.name}] {part.title} (~{need:.0f} s) ...", flush=True)
+        t0 = time.perf_counter()
+        try:
+            res = part.run(dry_run, budget)
+        except Exception as e:
+            tb = traceback.format_exc()
+            print(tb, flush=True)
+            res = {"error": f"{type(e).__name__}: {e}", "traceback": tb}
+        res["seconds"] = time.perf_counter() - t0
+        for r in res.get("skipped", []):
+            print(f"[{part.name}] {r}", flush=True)
+        print(f"[{part.name}] done in {res['seconds']:.1f} s", flush=True)
+        out[part.name] = res
+    return out
+
+
+# --- the report -----------------------------------------------------------------------
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _command_output(cmd: list[str]) -> str:
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=20, cwd=ROOT)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return r.stdout.strip() if r.returncode == 0 else ""
+
+
+def machine_meta(argv: list[str], note: str, dry_run: bool) -> dict:
+    """The machine, versions, date and command of this run."""
+    dev = jax.devices()[0]
+    cpu = next(
+        (
+            ln.split(":", 1)[1].strip()
+            for ln in _command_output(["lscpu"]).splitlines()
+            if ln.startswith("Model name")
+        ),
+        platform.processor() or platform.machine(),
+    )
+    driver = _command_output(
+        ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+    )
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return {
+        "date": now.strftime("%Y-%m-%d"),
+        "time_utc": now.strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "command": "python benchmarks/gpu_suite.py " + shlex.join(argv),
+        "dry_run": dry_run,
+        "note": note,
+        "backend": jax.default_backend(),
+        "device": getattr(dev, "device_kind", dev.platform),
+        "device_count": jax.device_count(),
+        "driver": driver.splitlines()[0] if driver else "",
+        "cpu": cpu,
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "jaxlib": _version("jaxlib"),
+        "jaxamp": getattr(jaxamp, "__version__", "?"),
+        "commit": _command_output(["git", "rev-parse", "--short", "HEAD"])
+        or "unknown (no git checkout)",
+        "optax": _version("optax"),
+        "jmp": _version("jmp"),
+        "mpx": _version("mixed-precision-for-jax"),
+        "features": {"amp residual_dtype=": has_residual_dtype()},
+    }
+
+
+def readme_rows(meta: dict, parts: dict[str, dict]) -> list[str]:
+    """The README's GPU rows, each with the date, from this run's figures."""
+    where = f"{meta['device']}, {meta['date']}"
+    link = "[RESULTS_GPU.md](benchmarks/RESULTS_GPU.md)"
+    lines = []
+    rows = {r["variant"]: r for r in parts.get("gpt1024", {}).get("rows", [])}
+    cell = lambda n, k, f: f.format(rows[n][k]) if k in rows.get(n, {}) else "-"
+    if rows:
+        lines += [
+            f"| step time, gpt1024 on one {where} | "
+            f"{cell('jaxamp bf16', 'step_ms', '{:.1f} ms')} | "
+            f"{cell('hand bf16 cudnn', 'step_ms', '{:.1f} ms')} (with cuDNN) | "
+            f"{cell('jmp bf16', 'step_ms', '{:.1f}')} / "
+            f"{cell('mpx bf16', 'step_ms', '{:.1f} ms')} | {link} |",
+            f"| gradient error, gpt1024 on one {where} | "
+            f"{cell('jaxamp bf16', 'grad_rel_l2', '{:.1e}')} | "
+            f"{cell('hand bf16 cudnn', 'grad_rel_l2', '{:.1e}')} | "
+            f"{cell('jmp bf16', 'grad_rel_l2', '{:.1e}')} / "
+            f"{cell('mpx bf16', 'grad_rel_l2', '{:.1e}')} | {link} |",
+        ]
+    eight = {r["variant"]: r for r in parts.get("eight_bit", {}).get("rows", [])}
+    if "speedup_vs_bf16" in eight.get("jaxamp int8", {}):
+        i8, f8 = eight["jaxamp int8"], eight.get("jaxamp fp8", {})
+        lines += [
+            "",
+            f"8-bit on one {where} ({parts['eight_bit']['size']}): int8 "
+            f"{i8['speedup_vs_bf16']:.2f}x bf16's speed "
+            f"({i8['eight_bit_flop_share']:.0%} of matmul FLOPs in 8 bits), FP8 "
+            f"{f8.get('speedup_vs_bf16', float('nan')):.2f}x "
+            f"({f8.get('eight_bit_flop_share', float('nan')):.0%}) {link}",
+        ]
+    return lines
+
+
+def markdown(meta: dict, parts: dict[str, dict], wall_s: float, budget_s: float) -> str:
+    lines = [
+        "# GPU checks: benchmarks/gpu_suite.py",
+        "",
+        f"Measured {meta['date']} ({meta['time_utc']}) on {meta['device']} "
+        f"(backend {meta['backend']}, driver {meta['driver'] or 'n/a'}; CPU "
+        f"{meta['cpu']}). Python {meta['python']}, JAX {meta['jax']}, jaxlib "
+        f"{meta['jaxlib']}, jaxamp {meta['jaxamp']} (commit {meta['commit']}), "
+        f"optax {meta['optax']}, jmp {meta['jmp']}, mpx {meta['mpx']}."
+        + (f" {meta['note']}." if meta["note"] else ""),
+        "",
+        f"Command: `{meta['command']}` (JSON: `RESULTS_GPU.json`). Wall "
+        f"{wall_s:.0f} s, budget {budget_s:g} s.",
+        "",
+    ]
+    if meta["dry_run"]:
+        lines += [
+            "**Dry run** on the CPU at tiny sizes: it checks that every part "
+            "runs; its timings are not measurements.",
+            "",
+        ]
+    rows = readme_rows(meta, parts)
+    if rows:
+        lines += ["## README rows", "", *rows, ""]
+    titles = {p.name: p.title for p in PARTS}
+    for name, res in parts.items():
+        lines += [f"## {titles[name]} (`{name}`, {res.get('seconds', 0):.0f} s)", ""]
+        if "error" in res:
+            lines += [f"Failed: {res['error']}", ""]
+            continue
+        if res.get("md"):
+            lines += [*res["md"], ""]
+        if res.get("skipped"):
+            lines += [f"- {r}" for r in res["skipped"]] + [""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="seconds for all parts (default 420; dry run 300)",
+    )
+    ap.add_argument(
+        "--parts",
+        default=",".join(p.name for p in PARTS),
+        help="comma-separated subset, run in the suite's order",
+    )
+    ap.add_argument("--out", default=None, help="folder for RESULTS_GPU.md/.json")
+    ap.add_argument("--note", default="", help="free text for the header")
+    args = ap.parse_args(argv)  # fmt: skip
+    names = [n for n in args.parts.split(",") if n]
+    unknown = sorted(set(names) - {p.name for p in PARTS})
+    if unknown:
+        ap.error(f"--parts: unknown {unknown}; choose from {[p.name for p in PARTS]}")
+    if not args.dry_run and jax.default_backend() != "gpu":
+        print(
+            f"error: JAX sees no GPU (backend {jax.default_backend()}); "
+            "use --dry-run on a CPU",
+            file=sys.stderr,
+        )
+        return 2
+    if args.out is None:
+        out = (
+            Path(tempfile.mkdtemp(prefix="gpu_suite_"))
+            if args.dry_run
+            else ROOT / "benchmarks"
+        )
+    else:
+        out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    budget_s = args.budget_s if args.budget_s is not None else (
+        300.0 if args.dry_run else 420.0)  # fmt: skip
+    budget = Budget(budget_s)
+    meta = machine_meta(argv, args.note, args.dry_run)
+    print(f"{meta['device']}, JAX {meta['jax']}, budget {budget_s:g} s", flush=True)
+    parts = run_parts([p for p in PARTS if p.name in names], args.dry_run, budget)
+    wall = budget.total_s - budget.left()
+    md = markdown(meta, parts, wall, budget_s)
+    (out / "RESULTS_GPU.md").write_text(md + "\n")
+    data = {"meta": {**meta, "wall_s": wall, "budget_s": budget_s}, "parts": parts}
+    for res in parts.values():
+        res.pop("md", None)
+    (out / "RESULTS_GPU.json").write_text(json.dumps(data, indent=1, default=float))
+    print(md)
+    print(f"\nwrote {out / 'RESULTS_GPU.md'} and {out / 'RESULTS_GPU.json'}")
+    return 1 if any("error" in r for r in parts.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
