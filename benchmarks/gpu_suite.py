@@ -413,8 +413,22 @@ def main_job_step(variant, cfg: tc.Config) -> Callable:
     return build
 
 
+MEMORY_LAYERS = (4, 8)  # the two layer counts of the slope
+MEMORY_COLUMNS = [
+    ("regime", "regime", "{}"),
+    ("B per added param", "bytes_per_param", "{:.2f}"),
+    ("MiB per layer", "per_layer_mib", "{:.1f}"),
+    ("fixed MiB", "fixed_mib", "{:.0f}"),
+    (
+        "peak MiB at {} / {} layers".format(*MEMORY_LAYERS),
+        "peak_mib",
+        "{0[0]:.0f} / {0[1]:.0f}",
+    ),
+]
+
+
 def part_memory(dry_run: bool, budget: Budget) -> dict:
-    layers = (4, 8)
+    layers = MEMORY_LAYERS
     rows, skipped, last_s = [], [], 0.0
     if not has_residual_dtype():
         skipped.append(
@@ -432,23 +446,17 @@ def part_memory(dry_run: bool, budget: Budget) -> dict:
             t0 = time.perf_counter()
             fit = peak_slope(main_job_step(v, cfg), layers)
             last_s = time.perf_counter() - t0
-            rows.append({"variant": v.name, "regime": regime, **fit})
+            mib = {f"{k}_mib": fit[k] / 2**20 for k in ("per_layer", "fixed")}
+            mib["peak_mib"] = [b / 2**20 for b in fit["peak"]]
+            rows.append({"variant": v.name, "regime": regime, **fit, **mib})
     lines = [
         f"The main job's GPT (examples/train_charlm.py) at d_model "
         f"{next(iter(memory_regimes(dry_run).values())).d_model}, AdamW, "
         f"layers {layers[0]} and {layers[1]}; peak = arguments + outputs - "
         "aliased + temp of the donated step's `memory_analysis()`.",
         "",
-        "| variant | regime | B per added param | MiB per layer | fixed MiB "
-        f"| peak MiB at {layers[0]} | peak MiB at {layers[1]} |",
-        "|---|---|---|---|---|---|---|",
+        *ga.table(rows, MEMORY_COLUMNS),
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['variant']} | {r['regime']} | {r['bytes_per_param']:.2f} "
-            f"| {r['per_layer'] / 2**20:.1f} | {r['fixed'] / 2**20:.0f} "
-            f"| {r['peak'][0] / 2**20:.0f} | {r['peak'][1] / 2**20:.0f} |"
-        )
     return {"rows": rows, "md": lines, "skipped": skipped}
 
 
@@ -461,12 +469,13 @@ def compile_variants(size: str) -> tuple[dict[str, Callable], str | None]:
     shapes = jax.eval_shape(lambda: ga.init(size))
     hand = ga.make_loss(size, "cudnn", hand=True)
     note = None
-    try:
+    try:  # lowering is enough: JAX refuses cuDNN attention there
         with ga._warnings_quiet():
-            jax.jit(jax.grad(hand)).lower(*shapes).compile()
+            jax.jit(jax.grad(hand)).lower(*shapes)
         name = "hand bf16 cudnn"
     except Exception as e:
-        note = f"hand bf16 cudnn {ga._unavailable(e)}; hand bf16 xla instead"
+        why = ga._unavailable(e).rstrip(".")
+        note = f"hand bf16 cudnn {why}: hand bf16 xla instead."
         hand, name = ga.make_loss(size, "xla", hand=True), "hand bf16 xla"
     base = ga.make_loss(size, None, hand=False)
     return {"jaxamp bf16": jaxamp.amp(base, compute_dtype=BF16), name: hand}, note
@@ -503,6 +512,15 @@ def part_compile(dry_run: bool, budget: Budget) -> dict:
     for r in rows:
         r["total_s"] = r["lower_s"] + r["compile_s"]
     hand = rows[1]
+    for r in rows:
+        r["vs_hand"] = r["total_s"] / hand["total_s"]
+    columns = [
+        ("trace s", "trace_s", "{:.2f}"),
+        ("lower s", "lower_s", "{:.2f}"),
+        ("compile s", "compile_s", "{:.2f}"),
+        ("lower + compile s", "total_s", "{:.2f}"),
+        (f"vs {hand['variant']}", "vs_hand", "{:.2f}x"),
+    ]
     lines = [ga.size_heading(size), ""]
     if note:
         lines += [note, ""]
@@ -511,16 +529,8 @@ def part_compile(dry_run: bool, budget: Budget) -> dict:
         "each; trace: `make_jaxpr(value_and_grad)`; lower and compile: the "
         "donated SGD step.",
         "",
-        "| variant | trace s | lower s | compile s | lower + compile s "
-        f"| vs {hand['variant']} |",
-        "|---|---|---|---|---|---|",
+        *ga.table(rows, columns),
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['variant']} | {r['trace_s']:.2f} | {r['lower_s']:.2f} "
-            f"| {r['compile_s']:.2f} | {r['total_s']:.2f} "
-            f"| {r['total_s'] / hand['total_s']:.2f}x |"
-        )
     return {"size": size, "rows": rows, "md": lines}
 
 
