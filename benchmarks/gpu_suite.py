@@ -8,22 +8,24 @@ Parts, in the order they run: the most informative first, so that a budget that
 runs short drops the figures we can best do without. Each has an estimated cost
 on one H100 (``--dry-run``: on a 2-core CPU); a part whose estimate exceeds the
 budget left is skipped with a printed reason, and the next, cheaper parts still
-try. Parts with several sub-measurements (variants, modes, layer counts) skip
-the rest with a reason once the budget runs out inside them.
+try. The estimates (guesses from earlier GPU runs of the same models, about
+390 s in all) are scaled by how much slower than estimated the parts so far
+ran. Parts with several sub-measurements (memory variants, fp16 and bf16
+runs) skip the rest with a reason once the budget runs out inside them.
 
-1. ``eight_bit`` (~150 s): FP8 and int8 against bf16 on the matmul-dominated
+1. ``eight_bit`` (~130 s): FP8 and int8 against bf16 on the matmul-dominated
    GPT ``gpt4096`` of ``gpu_attention.py`` (d_model 4096, 4 layers, seq 512,
    batch 8; attention 2% of the FLOPs) with the policies' default size rules:
    ms/step, speed against bf16, MFU (against the bf16 peak), gradient error
    against float32, and the share of matmul FLOPs that ran in 8 bits
    (``jaxamp.eight_bit_flop_share``). Never measured on a GPU before: the
    README's "8-bit at or above bf16's speed where it pays".
-2. ``gpt1024`` (~150 s): the gpt1024 training step of ``gpu_attention.py``
+2. ``gpt1024`` (~120 s): the gpt1024 training step of ``gpu_attention.py``
    (d_model 1024, 12 layers, seq 1024, batch 8): fp32, jaxamp bf16, hand-written
    bf16 with cuDNN attention, jmp, mpx; interleaved timing (median of 5 rounds
    of 10 steps), ms/step, MFU, temp and residual MiB, gradient error and loss
    difference against float32, cuDNN/cuBLAS call sites. The README's headline.
-3. ``memory`` (~80 s, compile only): the training step's peak bytes per added
+3. ``memory`` (~60 s, compile only): the training step's peak bytes per added
    parameter, ``(peak(8 layers) - peak(4 layers)) / parameters added`` with
    peak = arguments + outputs - aliased + temp of XLA's ``memory_analysis()`` of
    the jitted step, parameters and AdamW state donated (``benchmarks/memory.py``'s
@@ -32,11 +34,11 @@ the rest with a reason once the budget runs out inside them.
    master weights, bf16 parameters + stochastic rounding with bf16 and with
    int8 state, and bf16 compute with FP8-stored residuals (skipped, with the
    reason printed, while ``jaxamp.amp`` has no ``residual_dtype=``).
-4. ``fp16_run`` (~50 s): 200 steps of the main job's model
+4. ``fp16_run`` (~40 s): 200 steps of the main job's model
    (``examples/train_charlm.py`` defaults) in float16 with dynamic loss
    scaling, and in bf16: skipped steps, forward overflows, final loss scale,
    validation loss of fp16 against bf16, tokens/s.
-5. ``compile`` (~50 s): trace, lowering and compile seconds of the gpt1024 step,
+5. ``compile`` (~40 s): trace, lowering and compile seconds of the gpt1024 step,
    jaxamp bf16 against the hand-written bf16 model (cuDNN attention; the XLA
    attention where the backend has no cuDNN), caches cleared before each,
    interleaved, median of 2 repeats.
@@ -536,14 +538,14 @@ def part_compile(dry_run: bool, budget: Budget) -> dict:
 
 PARTS = [
     Part("eight_bit", "FP8 and int8 against bf16 (matmul-dominated GPT)",
-         part_eight_bit, (150, 12)),
-    Part("gpt1024", "The gpt1024 training step", part_gpt1024, (150, 12)),
+         part_eight_bit, (130, 12)),
+    Part("gpt1024", "The gpt1024 training step", part_gpt1024, (120, 12)),
     Part("memory", "Peak bytes per added parameter of the training step",
-         part_memory, (80, 12)),
+         part_memory, (60, 12)),
     Part("fp16_run", "200 float16 steps of the main job, dynamic loss scaling",
-         part_fp16_run, (50, 8)),
+         part_fp16_run, (40, 8)),
     Part("compile", "Compile time against the hand-written model",
-         part_compile, (50, 6)),
+         part_compile, (40, 6)),
 ]  # fmt: skip
 
 
@@ -555,11 +557,16 @@ def run_parts(
 ) -> dict[str, dict]:
     """Run ``parts`` in order within ``budget``: a part whose estimate exceeds
     the time left is skipped with a printed reason; one that raises is
-    recorded with its traceback and the next runs. ``after_each(results)``
-    is called after every part (the results so far), e.g. to write them."""
+    recorded with its traceback and the next runs. Estimates are scaled by
+    how much slower than estimated the parts run so far were (never below
+    1x), so a slow machine stops early rather than overrun. ``after_each
+    (results)`` is called after every part (the results so far), e.g. to
+    write them."""
     out: dict[str, dict] = {}
+    estimated = spent = 0.0
     for part in parts:
-        need = part.estimate_s[1 if dry_run else 0]
+        est = part.estimate_s[1 if dry_run else 0]
+        need = est * max(1.0, spent / estimated if estimated else 1.0)
         reason = budget.skip_reason(part.name, need)
         if reason:
             print(f"[{part.name}] {reason}", flush=True)
@@ -575,6 +582,7 @@ def run_parts(
             print(tb, flush=True)
             res = {"error": f"{type(e).__name__}: {e}", "traceback": tb}
         res["seconds"] = time.perf_counter() - t0
+        estimated, spent = estimated + est, spent + res["seconds"]
         for r in res.get("skipped", []):
             print(f"[{part.name}] {r}", flush=True)
         print(f"[{part.name}] done in {res['seconds']:.1f} s", flush=True)

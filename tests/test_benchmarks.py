@@ -321,6 +321,13 @@ def test_gpu_suite_budget_skips_with_reasons(capsys):
     assert gs.Budget(0.0).skip_reason("x", 1.0).startswith("x: skipped")
     assert gs.Budget(10.0).skip_reason("x", 1.0) is None
 
+    # A part 3x slower than estimated scales the next estimate: 4 s -> 12 s,
+    # more than the 10 s budget (4 s alone would fit).
+    slow = gs.Part("slow", "Slow", lambda d, b: time.sleep(0.3) or {}, (0.0, 0.1))
+    nxt = gs.Part("next", "Next", make("next"), (0.0, 4.0))
+    out = gs.run_parts([slow, nxt], dry_run=True, budget=gs.Budget(10.0))
+    assert "next" not in ran and out["next"]["skipped"][0].startswith("next: skipped")
+
 
 def test_gpu_suite_names_and_features(monkeypatch):
     """The suite's gpt1024 variants exist in gpu_attention.py (a rename would
