@@ -127,7 +127,7 @@ import train_charlm as tc  # noqa: E402
 
 import jaxamp  # noqa: E402
 
-BF16, F32 = jnp.bfloat16, jnp.float32
+BF16 = jnp.bfloat16
 E4M3 = jnp.float8_e4m3fn
 
 
@@ -203,6 +203,9 @@ EIGHT_BIT_COLUMNS = [
 
 
 def part_eight_bit(dry_run: bool, budget: Budget) -> dict:
+    """Part 1: :func:`eight_bit_variants` through ``gpu_attention.measure``
+    (interleaved timing, errors against float32) plus each variant's 8-bit FLOP
+    share of its gradient jaxpr and its speed against bf16."""
     size = "tiny" if dry_run else "gpt4096"
     steps, rounds = (1, 1) if dry_run else (10, 5)
     found = eight_bit_variants(size, dry_run)
@@ -232,6 +235,11 @@ GPT1024_VARIANTS = ["fp32", "jaxamp bf16", "hand bf16 cudnn", "jmp bf16", "mpx b
 
 
 def part_gpt1024(dry_run: bool, budget: Budget) -> dict:
+    """Part 2: ``gpu_attention.measure`` of :data:`GPT1024_VARIANTS`.
+
+    Raises:
+        ValueError: if ``gpu_attention.py`` no longer has one of them.
+    """
     missing = set(GPT1024_VARIANTS) - set(ga.variants("tiny"))
     if missing:
         raise ValueError(f"gpu_attention.py has no variants {sorted(missing)}")
@@ -269,6 +277,8 @@ FP16_KEYS = [
 
 
 def part_fp16_run(dry_run: bool, budget: Budget) -> dict:
+    """Part 4: ``train_charlm.train`` in fp16 (dynamic loss scaling), then in
+    bf16 if the time fp16 took is still left."""
     cfg = fp16_config(dry_run)
     data = tc.load_corpus(cfg.data_dir, cfg.max_bytes)
     runs, skipped = {}, []
@@ -430,6 +440,8 @@ MEMORY_COLUMNS = [
 
 
 def part_memory(dry_run: bool, budget: Budget) -> dict:
+    """Part 3: :func:`peak_slope` of each :func:`memory_variants` entry in each
+    :func:`memory_regimes` regime, while the last one's time is left."""
     layers = MEMORY_LAYERS
     rows, skipped, last_s = [], [], 0.0
     if not has_residual_dtype():
@@ -484,6 +496,7 @@ def compile_variants(size: str) -> tuple[dict[str, Callable], str | None]:
 
 
 def part_compile(dry_run: bool, budget: Budget) -> dict:
+    """Part 5: trace, lowering and compile seconds of :func:`compile_variants`."""
     size = "tiny" if dry_run else "gpt1024"
     repeats = 1 if dry_run else 2
     fns, note = compile_variants(size)
