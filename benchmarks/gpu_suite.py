@@ -29,8 +29,8 @@ runs) skip the rest with a reason once the budget runs out inside them.
    parameter, ``(peak(8 layers) - peak(4 layers)) / parameters added`` with
    peak = arguments + outputs - aliased + temp of XLA's ``memory_analysis()`` of
    the jitted step, parameters and AdamW state donated (``benchmarks/memory.py``'s
-   measure), on the main job's GPT at width 1024 in two regimes (seq 256, batch 1:
-   parameters dominate; seq 1024, batch 8: activations dominate): float32
+   measure), on the main job's GPT at width 1024 with seq 256, batch 1 (issue
+   31's shape) and seq 1024, batch 8 (``memory.py``'s default): float32
    master weights, bf16 parameters + stochastic rounding with bf16 and with
    int8 state, and bf16 compute with FP8-stored residuals (skipped, with the
    reason printed, while ``jaxamp.amp`` has no ``residual_dtype=``).
@@ -64,7 +64,7 @@ without ``--dry-run``.
 ``--dry-run`` (CPU, about 25 s of CPU time): every part at tiny sizes
 (``gpu_attention.py``'s ``tiny``; the main job at width 32 and 3 steps), the
 8-bit policies on every matmul (``size_rule=None``), gpt1024 without the
-peers, the memory part on one regime with float32 master weights and int8
+peers, the memory part on one shape with float32 master weights and int8
 state; XLA:CPU compiles without its MLIR fusion emitters and LLVM optimisation
 (7x faster compiles). It checks that every part runs and writes its figures;
 its timings are not measurements. ``tests/test_benchmarks.py`` runs it.
@@ -393,19 +393,18 @@ def memory_variants() -> list:
 
 
 def memory_regimes(dry_run: bool) -> dict[str, tc.Config]:
-    """name -> the main job's Config at a GPU-like width (one tiny one in a
-    dry run)."""
+    """name -> the main job's Config at a GPU-like width: seq 256, batch 1
+    (issue 31's shape, where parameters and optimizer state dominate the
+    step) and seq 1024, batch 8 (``benchmarks/memory.py``'s default shape);
+    one tiny shape in a dry run."""
     if dry_run:
-        c = tc.Config(d_model=32, heads=2, seq_len=8, batch_size=1)
-        return {"params dominate (seq 8, batch 1)": c}
+        return {
+            "seq 8, batch 1": tc.Config(d_model=32, heads=2, seq_len=8, batch_size=1)
+        }
     c = tc.Config(d_model=1024, heads=16)
     return {
-        "params dominate (seq 256, batch 1)": dataclasses.replace(
-            c, seq_len=256, batch_size=1
-        ),
-        "activations dominate (seq 1024, batch 8)": dataclasses.replace(
-            c, seq_len=1024, batch_size=8
-        ),
+        f"seq {t}, batch {b}": dataclasses.replace(c, seq_len=t, batch_size=b)
+        for t, b in ((256, 1), (1024, 8))
     }
 
 
@@ -427,7 +426,7 @@ def main_job_step(variant, cfg: tc.Config) -> Callable:
 
 MEMORY_LAYERS = (4, 8)  # the two layer counts of the slope
 MEMORY_COLUMNS = [
-    ("regime", "regime", "{}"),
+    ("shape", "regime", "{}"),
     ("B per added param", "bytes_per_param", "{:.2f}"),
     ("MiB per layer", "per_layer_mib", "{:.1f}"),
     ("fixed MiB", "fixed_mib", "{:.0f}"),
@@ -449,6 +448,7 @@ def part_memory(dry_run: bool, budget: Budget) -> dict:
             "FP8 residuals: skipped, jaxamp.amp has no residual_dtype= (issue 32)"
         )
     regimes, variants = memory_regimes(dry_run), memory_variants()
+    width = next(iter(regimes.values())).d_model
     if dry_run:  # compile only, but each compile costs seconds on the CPU
         variants = [variants[0], variants[2], *variants[3:]]
     for regime, cfg in regimes.items():
@@ -464,9 +464,9 @@ def part_memory(dry_run: bool, budget: Budget) -> dict:
             mib["peak_mib"] = [b / 2**20 for b in fit["peak"]]
             rows.append({"variant": v.name, "regime": regime, **fit, **mib})
     lines = [
-        f"The main job's GPT (examples/train_charlm.py) at d_model "
-        f"{next(iter(memory_regimes(dry_run).values())).d_model}, AdamW, "
-        f"layers {layers[0]} and {layers[1]}; peak = arguments + outputs - "
+        f"The main job's GPT (examples/train_charlm.py) at d_model {width}, its "
+        f"AdamW (clipping, schedule), layers {layers[0]} and {layers[1]}; peak = "
+        "arguments + outputs - "
         "aliased + temp of the donated step's `memory_analysis()`.",
         "",
         *ga.table(rows, MEMORY_COLUMNS),
