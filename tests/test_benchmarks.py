@@ -344,6 +344,21 @@ def test_gpu_suite_names_and_features(monkeypatch):
     assert names()[-1] == "amp bf16, FP8 residuals, f32 master"
 
 
+def test_gpu_suite_refuses_a_cpu_without_dry_run(tmp_path, capsys):
+    """Without a GPU and without --dry-run the suite stops before measuring
+    and writes nothing (the committed results stay); unknown parts are named."""
+    import gpu_suite as gs
+
+    if jax.default_backend() == "gpu":
+        pytest.skip("a GPU is present")
+    assert gs.main(["--out", str(tmp_path)]) == 2
+    assert "JAX sees no GPU" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+    with pytest.raises(SystemExit):
+        gs.main(["--dry-run", "--parts", "eight_bit,bogus"])
+    assert "unknown ['bogus']" in capsys.readouterr().err
+
+
 def test_readme_gpu_rows_name_their_date():
     """Every README table row that cites RESULTS_GPU.md names the date of its
     figures, and RESULTS_GPU.md says it measured on that date."""
