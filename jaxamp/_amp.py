@@ -68,6 +68,7 @@ def amp(
     compute_dtype: Any = None,
     amp_policy: Mapping[Any, Rule] = default_amp_policy,
     overflow_check: bool | None = None,
+    residual_dtype: Any = None,
 ) -> Callable:
     """Run ``fn`` in automatic mixed precision.
 
@@ -117,15 +118,26 @@ def amp(
             silently absorbed. One reduction per checked value. Default (None):
             on when ``compute_dtype`` is float16. Locate an overflow with
             :func:`jaxamp.find_overflows`.
-
-    Returns:
-        ``fn`` with its outputs' structure and dtypes; bfloat16/float16
+        residual_dtype: how the values saved for the backward pass are
+            stored. None (the default): in the dtype amp computes them in.
+            ``jnp.float8_e4m3fn``, ``jnp.float8_e5m2`` or ``"int8"``: in that
+            8-bit form with one float32 scale per group of 128 values (32 for
+            int8) along the last axis, decoded in the backward pass; covers
+            the inputs of products, non-linearities, norm regions, the XLA
+            attention kernel's q/k/v and a user's ``jax.checkpoint``
+            boundary. Forward values and gradients keep their dtypes. Same as
+            ``amp_policy={..., "residuals": jaxamp.residual_rule(...)}``,
+            which can also set it per scope. Not with forward-mode
+            differentiation (``jax.jvp`` of the result: the wrapping is a
+            ``jax.custom_vjp``). bfloat16/float16
         arguments are traced as float32, their gradients keep their dtype.
 
     Raises:
         TypeError: if ``fn`` is not callable, a policy key/value is invalid,
             or ``overflow_check`` is not True, False or None.
-        ValueError: if ``compute_dtype`` is not a floating dtype.
+        ValueError: if ``compute_dtype`` is not a floating dtype, or
+            ``residual_dtype`` is not FP8, ``"int8"`` or None (or is given
+            with a ``"residuals"`` policy entry).
 
     Warns:
         UserWarning: once, when ``fn`` is traced, for each ``amp_policy`` key
@@ -141,6 +153,7 @@ def amp(
     """
     if compute_dtype is None:  # the policy of an enclosing mixed_precision block
         compute_dtype = policy_compute_dtype() or jnp.float16
+    amp_policy = _residuals.with_residual_dtype(amp_policy, residual_dtype)
     return amp_with(fn, compute_dtype, amp_policy, overflow_check, DEFAULT_PIPELINE)
 
 
