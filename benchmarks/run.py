@@ -117,9 +117,12 @@ def _ln(x, g, f32_stats=False):
     return ((xs - m) * jax.lax.rsqrt(v + 1e-5)).astype(x.dtype) * g
 
 
-def make_loss(size: str, hand: bool = False, unroll: int | None = None) -> Callable:
+def make_loss(
+    size: str, hand: bool = False, unroll: int | None = None, remat: bool = False
+) -> Callable:
     """The model's loss ``loss(params, x, y)``. ``hand``: the hand-written
-    bfloat16 variant; ``unroll``: that many layers in a Python loop (no scan)."""
+    bfloat16 variant; ``unroll``: that many layers in a Python loop (no scan);
+    ``remat``: each scanned block under ``jax.checkpoint``."""
     _, _, T, B, H, _ = SIZES[size]
 
     def block(x, w):
@@ -144,7 +147,8 @@ def make_loss(size: str, hand: bool = False, unroll: int | None = None) -> Calla
         p = jaxamp.cast_to_bfloat16(params) if hand else params
         h = p["emb"][x] + p["pos"]
         if unroll is None:
-            h, _ = jax.lax.scan(block, h, p["layers"])
+            body = jax.checkpoint(block) if remat else block
+            h, _ = jax.lax.scan(body, h, p["layers"])
         else:
             n_stacked = p["layers"]["qkv"].shape[0]
             for i in range(unroll):

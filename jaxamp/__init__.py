@@ -15,7 +15,9 @@ from ._base._ambient_policy import policy_compute_dtype as policy_compute_dtype
 from ._policy._kinds import CarryRule as CarryRule
 from ._policy._kinds import CastRule as CastRule
 from ._policy._kinds import ImplementationRule as ImplementationRule
+from ._policy._kinds import ResidualRule as ResidualRule
 from ._policy._kinds import ScopePolicy as ScopePolicy
+from ._policy._residuals import residual_rule as residual_rule
 from ._policy._rules import default_amp_policy as default_amp_policy
 from ._policy._rules import follow_compute_precision as follow_compute_precision
 from ._policy._rules import keep_current_precision as keep_current_precision
@@ -113,6 +115,7 @@ __all__ = (
     "MatmulRecord",
     "Overflow",
     "PrecisionReport",
+    "ResidualRule",
     "ScopePolicy",
     "SkipNonFiniteState",
     "StaticScalerState",
@@ -150,6 +153,7 @@ __all__ = (
     "quantization_report",
     "quantize",
     "register_higher_order",
+    "residual_rule",
     "saved_residual_bytes",
     "select_tree",
     "skip_nonfinite_updates",

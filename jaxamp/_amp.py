@@ -86,13 +86,9 @@ def amp(
     with itself: inside a nested ``amp`` the innermost one decides (its region
     is ``amp_stop`` to the enclosing one).
 
-    For the backward pass JAX derives: the sums it adds when differentiating a
-    low-precision broadcast or ``reduce_max`` run in float32 (a ``custom_jvp``
-    per such equation), and a matmul whose narrowed inputs are all held (the
-    arguments of ``fn`` and the values it closes over, also as ``scan``/``jit``
-    inputs) re-casts them in the backward pass inside a ``jax.checkpoint``
-    instead of saving the low-precision copies. That assumes ``fn``'s arguments
-    are alive for the step anyway, as parameters and batches are.
+    The backward pass JAX derives sums derived broadcasts in float32 and
+    re-casts ``fn``'s arguments (alive for the step anyway) instead of saving
+    low-precision copies (``docs/design.md``, "Residuals").
 
     Args:
         fn: a function of any pytrees (Equinox modules, dicts, ...); array leaves
@@ -118,26 +114,17 @@ def amp(
             silently absorbed. One reduction per checked value. Default (None):
             on when ``compute_dtype`` is float16. Locate an overflow with
             :func:`jaxamp.find_overflows`.
-        residual_dtype: how the values saved for the backward pass are
-            stored. None (the default): in the dtype amp computes them in.
-            ``jnp.float8_e4m3fn``, ``jnp.float8_e5m2`` or ``"int8"``: in that
-            8-bit form with one float32 scale per group of 128 values (32 for
-            int8) along the last axis, decoded in the backward pass; covers
-            the inputs of products, non-linearities, norm regions, the XLA
-            attention kernel's q/k/v and a user's ``jax.checkpoint``
-            boundary. Forward values and gradients keep their dtypes. Same as
-            ``amp_policy={..., "residuals": jaxamp.residual_rule(...)}``,
-            which can also set it per scope. Not with forward-mode
-            differentiation (``jax.jvp`` of the result: the wrapping is a
-            ``jax.custom_vjp``). bfloat16/float16
+        residual_dtype: None, or the 8-bit form of saved activations
+            (``jnp.float8_e4m3fn``, ``"int8"``: :func:`jaxamp.residual_rule`).
+
+    Returns:
+        ``fn`` with its outputs' structure and dtypes; bfloat16/float16
         arguments are traced as float32, their gradients keep their dtype.
 
     Raises:
         TypeError: if ``fn`` is not callable, a policy key/value is invalid,
             or ``overflow_check`` is not True, False or None.
-        ValueError: if ``compute_dtype`` is not a floating dtype, or
-            ``residual_dtype`` is not FP8, ``"int8"`` or None (or is given
-            with a ``"residuals"`` policy entry).
+        ValueError: for a non-float ``compute_dtype`` or a bad ``residual_dtype``.
 
     Warns:
         UserWarning: once, when ``fn`` is traced, for each ``amp_policy`` key

@@ -24,7 +24,7 @@ from .._base import _state
 from .._base._cast import cast_cache
 from .._base._dtypes import is_low
 from .._base._jaxpr import is_var, named_subs
-from .._policy._residuals import stash_format, store_compressed
+from .._policy._compressed import stash_format, store_compressed
 from .._walk._loop import PatternRewrite, Region, Walk
 
 # Scope of the checkpoint in which an RMSNorm's statistic and scaling run.

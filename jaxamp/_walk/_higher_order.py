@@ -53,7 +53,7 @@ from .._base._structure import (
     describe_call,
     run_once,
 )
-from .._policy._residuals import is_held, stash_format, store_compressed
+from .._policy._compressed import is_held, stash_format, store_compressed
 from .._policy._rules import Rule, default_amp_policy, narrow_bfloat16_carries
 from .._policy._stash import compressible
 from .._values import _facts
