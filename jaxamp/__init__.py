@@ -51,6 +51,9 @@ from ._tools._measure import low_precision_flop_share as low_precision_flop_shar
 from ._tools._measure import matmul_flops_by_dtype as matmul_flops_by_dtype
 from ._tools._measure import primitive_dtypes as primitive_dtypes
 from ._tools._measure import saved_residual_bytes as saved_residual_bytes
+from ._tools._memory_report import MemoryReport as MemoryReport
+from ._tools._memory_report import MemoryRow as MemoryRow
+from ._tools._memory_report import memory_report as memory_report
 from ._tools._precision_report import PrecisionReport as PrecisionReport
 from ._tools._precision_report import precision_report as precision_report
 from ._tools._quant_report import MatmulRecord as MatmulRecord
@@ -113,6 +116,8 @@ __all__ = (
     "ImplementationRule",
     "LowPrecisionState",
     "MatmulRecord",
+    "MemoryReport",
+    "MemoryRow",
     "Overflow",
     "PrecisionReport",
     "ResidualRule",
@@ -146,6 +151,7 @@ __all__ = (
     "low_precision_flop_share",
     "low_precision_optimizer",
     "matmul_flops_by_dtype",
+    "memory_report",
     "min_matmul_size",
     "optimizer_update",
     "precision_report",
