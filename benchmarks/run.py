@@ -14,7 +14,9 @@ representable inputs):
 * ``mpx``: ``mpx.cast_to_half_precision`` (bfloat16) on parameters and inputs;
 * ``jmp``: ``jmp.get_policy("p=f32,c=bf16,o=f32")``, cast to compute;
 * ``hand bf16``: parameters cast to bfloat16 at the top of the loss, float32
-  LayerNorm statistics, softmax and loss written by hand.
+  LayerNorm statistics, softmax and loss written by hand;
+* ``jaxamp bf16 + E4M3 residuals``: ``jaxamp.amp(residual_dtype=
+  jnp.float8_e4m3fn)``, the saved activations stored in 8 bits.
 
 Figures: low-precision share of matmul FLOPs in the gradient jaxpr (scan
 bodies weighted by length); bytes of residuals saved for the backward pass
@@ -194,6 +196,10 @@ def variants(size: str) -> dict[str, Callable | str]:
     except ImportError as e:
         out["jmp bf16"] = f"missing: {e} (pip install -e '.[bench]')"
     out["hand bf16"] = make_loss(size, hand=True)
+    # Saved activations in E4M3 with 1 x 128 scales (benchmarks/residuals.py).
+    out["jaxamp bf16 + E4M3 residuals"] = jaxamp.amp(
+        base, compute_dtype=BF16, residual_dtype=jnp.float8_e4m3fn
+    )
     return out
 
 

@@ -329,6 +329,7 @@ def test_gpt_checkpointed_blocks_e4m3_bytes():
     assert jaxamp.saved_residual_bytes(f, *args) <= 0.30 * f32
 
 
+@pytest.mark.slow
 def test_gpt_gradient_error(gpt):
     loss, args = gpt
     ref = jax.jit(jax.grad(loss))(*args)
@@ -341,3 +342,37 @@ def test_gpt_gradient_error(gpt):
     # E4M3's 3 mantissa bits give each stored value a 2.6% rms error, which
     # the weight gradients inherit: 3.1x measured (RESULTS_RESIDUALS.md).
     assert err[E4M3] <= 3.5 * err[None]
+
+
+# The main job's flag --------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_charlm_residual_dtype_flag(capsys):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import train_charlm
+
+    cfg = train_charlm.Config(
+        steps=4,
+        batch_size=4,
+        seq_len=32,
+        d_model=64,
+        layers=1,
+        heads=2,
+        warmup=2,
+        max_bytes=100_000,
+        eval_batches=1,
+        sample_chars=4,
+        residual_dtype="fp8",
+    )
+    data = train_charlm.load_corpus(None, cfg.max_bytes)
+    r = train_charlm.train(cfg, "bf16", data, progress=False)
+    assert r["label"] == "bf16, fp8 residuals"
+    assert np.isfinite(r["val_loss"]) and r["losses"][-1] < r["losses"][0]
+    x = jnp.zeros((cfg.batch_size, cfg.seq_len), jnp.int32)
+    params = train_charlm.initial_params(cfg)
+    saved = _saved(train_charlm.mode_loss("bf16", cfg), params, x, x)
+    assert any(np.dtype(a.dtype) == np.dtype(E4M3) for a, _ in saved)
+    with pytest.raises(SystemExit):
+        train_charlm.main(["--residual-dtype", "fp4"])
+    assert "--residual-dtype: invalid choice" in capsys.readouterr().err
