@@ -182,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     p1, p1r = part1(False), part1(True)
     p2 = [] if a.skip_long else part2()
     meta = (
-        f"`python benchmarks/residuals.py --out benchmarks/RESULTS_RESIDUALS.md{' --skip-long' if a.skip_long else ''}` "
+        "`python benchmarks/residuals.py --out benchmarks/RESULTS_RESIDUALS.md"
+        f"{' --skip-long' if a.skip_long else ''}` "
         f"on {platform.processor() or platform.machine()} ({jax.default_backend()}), "
         f"JAX {jax.__version__}, {time.time() - t0:.0f} s."
     )
