@@ -63,7 +63,10 @@ def test_rows_name_scope_primitive_dtype_and_source(args):
 
 
 def test_table_and_save(args, tmp_path):
-    r = jaxamp.memory_report(loss, *args, residual_dtype="int8", compile=False)
+    r = jaxamp.memory_report(
+        loss, *args, compute_dtype="bf16", residual_dtype="int8", compile=False
+    )
+    assert r.settings == {"compute_dtype": "bfloat16", "residual_dtype": "int8"}
     text = str(r)
     assert "saved residuals" in text and "int8" in text and "block" in text
     assert len(text.splitlines()) == 4 + len(r.rows)

@@ -25,6 +25,7 @@ import numpy as np
 
 from .. import _compat
 from .._amp import amp
+from .._base._dtypes import canonical_dtype
 from .._policy._compressed import STASH_SCOPE
 from .._policy._rules import default_amp_policy
 
@@ -356,8 +357,9 @@ def memory_report(
             amp_policy=amp_policy,
             residual_dtype=residual_dtype,
         )
+        compute = canonical_dtype(compute_dtype, argname="compute_dtype")
         settings = {
-            "compute_dtype": np.dtype(compute_dtype).name,
+            "compute_dtype": compute.name,
             "residual_dtype": str(getattr(residual_dtype, "__name__", residual_dtype)),
         }
     rows = saved_rows(fn, *args, **kwargs)
