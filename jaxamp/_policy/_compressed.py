@@ -26,6 +26,7 @@ from .. import _compat
 from .._base import _state
 from .._base._cast import cast_cache
 from .._base._dtypes import is_float
+from .._base._prims import MATMULS
 from ._stash import Format, compressible, decode, encode
 
 
@@ -46,7 +47,7 @@ def bind_compressed(call: Any, invals: Sequence[Any], fmt: Format) -> Any:
             return out
     if call.name == "exp":
         return _exp_storing_output(call, invals, fmt)
-    if call.name in _READS_NO_VALUE | _EXPONENTIALS:
+    if call.name in _READS_NO_VALUE | _EXPONENTIALS | _CHOOSERS:
         return None
     return store_compressed(call.apply, invals, fmt)
 
@@ -94,6 +95,29 @@ _READS_NO_VALUE = frozenset(
         "is_finite",
     }
 )
+# Their derivative routes the cotangent by comparing input values (which
+# element is the largest, the sort order): recomputed from rounded values the
+# choice could change, so they save what JAX saves.
+_CHOOSERS = frozenset(
+    {"sort", "top_k", "reduce_max", "reduce_min", "argmax", "argmin"}
+    | {"cummax", "cummin"}
+)
+
+
+def recomputable(jaxpr: Any) -> bool:
+    """``jaxpr`` (and its sub-jaxprs) can be recomputed from stored inputs:
+    no product (its cost), no :data:`_CHOOSERS` or :data:`_EXPONENTIALS`
+    (their results from rounded inputs could differ in kind)."""
+    core, _ = _compat.jaxpr_parts(jaxpr)
+    unsafe = _CHOOSERS | _EXPONENTIALS | set(MATMULS)
+    for eqn in core.eqns:
+        if eqn.primitive.name in unsafe:
+            return False
+        if not all(map(recomputable, _compat.sub_jaxprs(eqn.params))):
+            return False
+    return True
+
+
 # Their inputs are not stored compressed: exp turns an absolute error of its
 # input into a relative error of its output (a softmax's probabilities). exp
 # stores its output instead (its derivative), the others as JAX saves them.

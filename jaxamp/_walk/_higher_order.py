@@ -43,7 +43,6 @@ from .. import _compat
 from .._base import _state, _structure
 from .._base._cast import cast, cast_cache, restore
 from .._base._dtypes import dtype_of
-from .._base._prims import MATMULS
 from .._base._structure import (
     DESCRIPTIONS,
     HigherOrder,
@@ -53,7 +52,12 @@ from .._base._structure import (
     describe_call,
     run_once,
 )
-from .._policy._compressed import is_held, stash_format, store_compressed
+from .._policy._compressed import (
+    is_held,
+    recomputable,
+    stash_format,
+    store_compressed,
+)
 from .._policy._rules import Rule, default_amp_policy, narrow_bfloat16_carries
 from .._policy._stash import compressible
 from .._values import _facts
@@ -243,11 +247,11 @@ def _call(eqn: Any, invals: list, ctx: AmpContext) -> Any:
     structure = _structure.describe(eqn)
     remat = structure is not None and structure.recomputed
     # With a residual format: a checkpoint's boundary inputs, or all inputs of
-    # a call without products (jax.nn.gelu), are saved compressed and the body
-    # recomputed from them (_policy/_residuals.py).
+    # a call that is cheap and safe to recompute (jax.nn.silu), are saved
+    # compressed and the body recomputed from them (_policy/_compressed.py).
     fmt = stash_format()
     stored = fmt is not None and _worth_storing(invals)
-    stored = stored and (remat or not _has_products(params[name]))
+    stored = stored and (remat or recomputable(params[name]))
     held = () if remat or stored else tuple(map(is_held, invals))
     with _state.recomputing(remat or stored):
         params[name] = rewrite_jaxpr(params[name], ctx, in_dtypes, FREE, held)
@@ -269,17 +273,6 @@ def _bind_list(prim: Any, params: dict, *invals: Any) -> Any:
 def _worth_storing(invals: list) -> bool:
     """Some input would be stored compressed (not held, compressible)."""
     return any(compressible(x) and not is_held(x) for x in invals)
-
-
-def _has_products(jaxpr: Any) -> bool:
-    """``jaxpr`` or a sub-jaxpr of it binds a matmul or convolution."""
-    core, _ = _compat.jaxpr_parts(jaxpr)
-    for eqn in core.eqns:
-        if eqn.primitive.name in MATMULS:
-            return True
-        if any(_has_products(sub) for sub in _compat.sub_jaxprs(eqn.params)):
-            return True
-    return False
 
 
 def _describe_while(eqn: Any) -> Structure:
@@ -471,6 +464,7 @@ def _custom_jvp_call(eqn: Any, invals: list, ctx: AmpContext) -> Any:
     # its jvp rule runs in the backward pass on the decoded values.
     fmt = stash_format()
     stored = fmt is not None and _worth_storing(invals)
+    stored = stored and recomputable(params["call_jaxpr"])
     with _state.recomputing(stored):
         call = rewrite_jaxpr(params["call_jaxpr"], ctx, in_dtypes, FREE)
     core, _ = _compat.jaxpr_parts(call)
