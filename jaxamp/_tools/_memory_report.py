@@ -68,23 +68,33 @@ def _producers(jaxpr: Any) -> dict:
     return {v: e for e in jaxpr.eqns for v in e.outvars}
 
 
-def _origin(eqn: Any, k: int, scopes: tuple) -> tuple[Any, tuple]:
-    """The equation that computes output ``k`` of ``eqn``, followed into the
-    one sub-jaxpr with as many outputs (``scan``, ``jit``, ``checkpoint``,
-    custom derivatives), with the scopes on the way."""
+def _origin(eqn: Any, k: int, scopes: tuple, where: Any = None) -> tuple:
+    """``(equation, scopes, source equation)`` of output ``k`` of ``eqn``:
+    the equation that computes it, followed into the one sub-jaxpr with as
+    many outputs (``scan``, ``jit``, ``checkpoint``, custom derivatives), the
+    scopes on the way, and the equation whose source line names it: inside a
+    ``jit`` body the ``jit`` call itself (JAX reuses a traced ``jit`` body,
+    with the source lines of its first caller)."""
     scopes = scopes + _compat.scope_names(eqn)
+    where = eqn if where is None else where
     subs = [
         s
         for s in _compat.sub_jaxprs(eqn.params)
         if len(_compat.jaxpr_parts(s)[0].outvars) == len(eqn.outvars)
     ]
     if len(subs) != 1:
-        return eqn, scopes
+        return eqn, scopes, where
     core, _ = _compat.jaxpr_parts(subs[0])
     inner = _producers(core).get(core.outvars[k])
     if inner is None:  # forwarded from the body's inputs
-        return eqn, scopes
-    return _origin(inner, inner.outvars.index(core.outvars[k]), scopes)
+        return eqn, scopes, where
+    frozen = eqn.primitive.name in ("jit", "pjit", "closed_call") or where is not eqn
+    return _origin(
+        inner,
+        inner.outvars.index(core.outvars[k]),
+        scopes,
+        where if frozen else None,
+    )
 
 
 def saved_rows(fn: Callable, *args: Any, **kwargs: Any) -> list[MemoryRow]:
@@ -122,14 +132,14 @@ def saved_rows(fn: Callable, *args: Any, **kwargs: Any) -> list[MemoryRow]:
         if eqn is None:
             key = ("", "constant", np.dtype(aval.dtype).name, "")
         else:
-            origin, scopes = _origin(eqn, eqn.outvars.index(v), ())
+            origin, scopes, where = _origin(eqn, eqn.outvars.index(v), ())
             # An 8-bit copy made for amp's residual_dtype (_policy/_compressed.py)
             name = "encode" if STASH_SCOPE in scopes else origin.primitive.name
             key = (
                 _scope_path(scopes),
                 name,
                 np.dtype(aval.dtype).name,
-                _compat.source_line(origin),
+                _compat.source_line(where),
             )
         size = int(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
         count, total, shp = found.get(key, (0, 0, tuple(aval.shape)))
