@@ -14,7 +14,9 @@ representable inputs):
 * ``mpx``: ``mpx.cast_to_half_precision`` (bfloat16) on parameters and inputs;
 * ``jmp``: ``jmp.get_policy("p=f32,c=bf16,o=f32")``, cast to compute;
 * ``hand bf16``: parameters cast to bfloat16 at the top of the loss, float32
-  LayerNorm statistics, softmax and loss written by hand.
+  LayerNorm statistics, softmax and loss written by hand;
+* ``jaxamp bf16 + E4M3 residuals``: ``jaxamp.amp(residual_dtype=
+  jnp.float8_e4m3fn)``, the saved activations stored in 8 bits.
 
 Figures: low-precision share of matmul FLOPs in the gradient jaxpr (scan
 bodies weighted by length); bytes of residuals saved for the backward pass
@@ -117,9 +119,12 @@ def _ln(x, g, f32_stats=False):
     return ((xs - m) * jax.lax.rsqrt(v + 1e-5)).astype(x.dtype) * g
 
 
-def make_loss(size: str, hand: bool = False, unroll: int | None = None) -> Callable:
+def make_loss(
+    size: str, hand: bool = False, unroll: int | None = None, remat: bool = False
+) -> Callable:
     """The model's loss ``loss(params, x, y)``. ``hand``: the hand-written
-    bfloat16 variant; ``unroll``: that many layers in a Python loop (no scan)."""
+    bfloat16 variant; ``unroll``: that many layers in a Python loop (no scan);
+    ``remat``: each scanned block under ``jax.checkpoint``."""
     _, _, T, B, H, _ = SIZES[size]
 
     def block(x, w):
@@ -144,7 +149,8 @@ def make_loss(size: str, hand: bool = False, unroll: int | None = None) -> Calla
         p = jaxamp.cast_to_bfloat16(params) if hand else params
         h = p["emb"][x] + p["pos"]
         if unroll is None:
-            h, _ = jax.lax.scan(block, h, p["layers"])
+            body = jax.checkpoint(block) if remat else block
+            h, _ = jax.lax.scan(body, h, p["layers"])
         else:
             n_stacked = p["layers"]["qkv"].shape[0]
             for i in range(unroll):
@@ -190,6 +196,10 @@ def variants(size: str) -> dict[str, Callable | str]:
     except ImportError as e:
         out["jmp bf16"] = f"missing: {e} (pip install -e '.[bench]')"
     out["hand bf16"] = make_loss(size, hand=True)
+    # Saved activations in E4M3 with 1 x 128 scales (benchmarks/residuals.py).
+    out["jaxamp bf16 + E4M3 residuals"] = jaxamp.amp(
+        base, compute_dtype=BF16, residual_dtype=jnp.float8_e4m3fn
+    )
     return out
 
 

@@ -38,6 +38,14 @@ recipe, plain optax on bfloat16 parameters (round-to-nearest in
         --param-rounding plain
 
 The table's "bytes/param" column counts parameters + optimizer state + gradients.
+
+Activation storage (amp modes): ``--residual-dtype compute`` (the default: the
+values saved for the backward pass in amp's dtypes), ``fp8`` (E4M3 with one
+float32 scale per 128 values) or ``int8`` (one scale per 32), decoded in the
+backward pass (``jaxamp.amp(residual_dtype=...)``); the table's "residual bytes
+vs fp32" column shows what it saves:
+
+    python examples/train_charlm.py --mode bf16 --residual-dtype fp8
 """
 
 from __future__ import annotations
@@ -100,6 +108,10 @@ class Config:
         opt_state_dtype: with bfloat16 parameters and a rounding other than
             plain, the AdamW moments' storage: ``"bfloat16"``, ``"int8"`` or
             ``"float32"``.
+        residual_dtype: in the amp modes, how the activations saved for the
+            backward pass are stored: ``"compute"`` (amp's dtypes), ``"fp8"``
+            (E4M3, one float32 scale per 128 values) or ``"int8"`` (one per 32)
+            (``jaxamp.amp``'s ``residual_dtype``).
     """
 
     mode: str = "all"
@@ -122,13 +134,17 @@ class Config:
     param_dtype: str = "float32"
     param_rounding: str = "stochastic"
     opt_state_dtype: str = "bfloat16"
+    residual_dtype: str = "compute"
 
 
 CHOICES = {
     "param_dtype": ("float32", "bfloat16"),
     "param_rounding": ("stochastic", "kahan", "nearest", "plain"),
     "opt_state_dtype": ("bfloat16", "int8", "float32"),
+    "residual_dtype": ("compute", "fp8", "int8"),
 }
+# --residual-dtype: jaxamp.amp's residual_dtype.
+RESIDUAL_DTYPES = {"compute": None, "fp8": jnp.float8_e4m3fn, "int8": "int8"}
 
 
 # ---------------------------------------------------------------------------
@@ -373,14 +389,15 @@ def mode_loss(mode: str, cfg: Config) -> Callable:
         wrapped in ``jaxamp.amp`` with the mode's compute dtype and policy
         otherwise.
     """
-    return _amp_for(mode, lambda p, x, y: loss_fn(p, x, y, cfg.heads))
+    fn = lambda p, x, y: loss_fn(p, x, y, cfg.heads)  # noqa: E731
+    return _amp_for(mode, fn, cfg.residual_dtype)
 
 
-def _amp_for(mode: str, fn: Callable) -> Callable:
+def _amp_for(mode: str, fn: Callable, residual_dtype: str = "compute") -> Callable:
     spec = MODES[mode]
     if spec["compute"] is None:
         return fn
-    kw = {}
+    kw = {"residual_dtype": RESIDUAL_DTYPES[residual_dtype]}
     if "policy" in spec:
         kw["amp_policy"] = spec["policy"]()
     return jaxamp.amp(fn, compute_dtype=spec["compute"], **kw)
@@ -428,7 +445,10 @@ def initial_params(cfg: Config) -> dict:
 
 def variant_label(mode: str, cfg: Config) -> str:
     """The table's name of a run: the mode, plus the parameter storage when it
-    is bfloat16 (e.g. ``"bf16, bf16 params, stochastic, bfloat16 state"``)."""
+    is bfloat16 (e.g. ``"bf16, bf16 params, stochastic, bfloat16 state"``) and
+    the residual storage when it is 8-bit (``"bf16, fp8 residuals"``)."""
+    if cfg.residual_dtype != "compute" and MODES[mode]["compute"] is not None:
+        mode = f"{mode}, {cfg.residual_dtype} residuals"
     if cfg.param_dtype == "float32":
         return mode
     if cfg.param_rounding == "plain":

@@ -15,7 +15,9 @@ from ._base._ambient_policy import policy_compute_dtype as policy_compute_dtype
 from ._policy._kinds import CarryRule as CarryRule
 from ._policy._kinds import CastRule as CastRule
 from ._policy._kinds import ImplementationRule as ImplementationRule
+from ._policy._kinds import ResidualRule as ResidualRule
 from ._policy._kinds import ScopePolicy as ScopePolicy
+from ._policy._residuals import residual_rule as residual_rule
 from ._policy._rules import default_amp_policy as default_amp_policy
 from ._policy._rules import follow_compute_precision as follow_compute_precision
 from ._policy._rules import keep_current_precision as keep_current_precision
@@ -49,6 +51,9 @@ from ._tools._measure import low_precision_flop_share as low_precision_flop_shar
 from ._tools._measure import matmul_flops_by_dtype as matmul_flops_by_dtype
 from ._tools._measure import primitive_dtypes as primitive_dtypes
 from ._tools._measure import saved_residual_bytes as saved_residual_bytes
+from ._tools._memory_report import MemoryReport as MemoryReport
+from ._tools._memory_report import MemoryRow as MemoryRow
+from ._tools._memory_report import memory_report as memory_report
 from ._tools._precision_report import PrecisionReport as PrecisionReport
 from ._tools._precision_report import precision_report as precision_report
 from ._tools._quant_report import MatmulRecord as MatmulRecord
@@ -111,8 +116,11 @@ __all__ = (
     "ImplementationRule",
     "LowPrecisionState",
     "MatmulRecord",
+    "MemoryReport",
+    "MemoryRow",
     "Overflow",
     "PrecisionReport",
+    "ResidualRule",
     "ScopePolicy",
     "SkipNonFiniteState",
     "StaticScalerState",
@@ -143,6 +151,7 @@ __all__ = (
     "low_precision_flop_share",
     "low_precision_optimizer",
     "matmul_flops_by_dtype",
+    "memory_report",
     "min_matmul_size",
     "optimizer_update",
     "precision_report",
@@ -150,6 +159,7 @@ __all__ = (
     "quantization_report",
     "quantize",
     "register_higher_order",
+    "residual_rule",
     "saved_residual_bytes",
     "select_tree",
     "skip_nonfinite_updates",

@@ -68,6 +68,7 @@ def amp(
     compute_dtype: Any = None,
     amp_policy: Mapping[Any, Rule] = default_amp_policy,
     overflow_check: bool | None = None,
+    residual_dtype: Any = None,
 ) -> Callable:
     """Run ``fn`` in automatic mixed precision.
 
@@ -85,13 +86,9 @@ def amp(
     with itself: inside a nested ``amp`` the innermost one decides (its region
     is ``amp_stop`` to the enclosing one).
 
-    For the backward pass JAX derives: the sums it adds when differentiating a
-    low-precision broadcast or ``reduce_max`` run in float32 (a ``custom_jvp``
-    per such equation), and a matmul whose narrowed inputs are all held (the
-    arguments of ``fn`` and the values it closes over, also as ``scan``/``jit``
-    inputs) re-casts them in the backward pass inside a ``jax.checkpoint``
-    instead of saving the low-precision copies. That assumes ``fn``'s arguments
-    are alive for the step anyway, as parameters and batches are.
+    The backward pass JAX derives sums derived broadcasts in float32 and
+    re-casts ``fn``'s arguments (alive for the step anyway) instead of saving
+    low-precision copies (``docs/design.md``, "Residuals").
 
     Args:
         fn: a function of any pytrees (Equinox modules, dicts, ...); array leaves
@@ -117,6 +114,8 @@ def amp(
             silently absorbed. One reduction per checked value. Default (None):
             on when ``compute_dtype`` is float16. Locate an overflow with
             :func:`jaxamp.find_overflows`.
+        residual_dtype: None, or the 8-bit form of saved activations
+            (``jnp.float8_e4m3fn``, ``"int8"``: :func:`jaxamp.residual_rule`).
 
     Returns:
         ``fn`` with its outputs' structure and dtypes; bfloat16/float16
@@ -125,7 +124,7 @@ def amp(
     Raises:
         TypeError: if ``fn`` is not callable, a policy key/value is invalid,
             or ``overflow_check`` is not True, False or None.
-        ValueError: if ``compute_dtype`` is not a floating dtype.
+        ValueError: for a non-float ``compute_dtype`` or a bad ``residual_dtype``.
 
     Warns:
         UserWarning: once, when ``fn`` is traced, for each ``amp_policy`` key
@@ -141,6 +140,7 @@ def amp(
     """
     if compute_dtype is None:  # the policy of an enclosing mixed_precision block
         compute_dtype = policy_compute_dtype() or jnp.float16
+    amp_policy = _residuals.with_residual_dtype(amp_policy, residual_dtype)
     return amp_with(fn, compute_dtype, amp_policy, overflow_check, DEFAULT_PIPELINE)
 
 

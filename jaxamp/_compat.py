@@ -190,6 +190,14 @@ def trace_to_closed_jaxpr(
     return ClosedJaxpr(jaxpr, consts)
 
 
+def used_inputs(jaxpr: Any) -> list[bool]:
+    """Per input of the open ``jaxpr``: whether any of its outputs depends on
+    it (after dead-code elimination). JAX 0.10 / 0.11: ``dce_jaxpr`` is
+    private (``partial_eval``), same signature in both."""
+    _, used = _pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
+    return list(used)
+
+
 def _debug_info(name: str, fn: Callable, nargs: int):
     # JAX >= 0.5: DebugInfo(traced_for, func_src_info, arg_names, result_paths).
     return jex_core.DebugInfo(

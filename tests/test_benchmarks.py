@@ -18,7 +18,15 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import run as bench  # noqa: E402
 
-VARIANTS = ["fp32", "jaxamp bf16", "jaxamp fp16", "mpx bf16", "jmp bf16", "hand bf16"]
+VARIANTS = [
+    "fp32",
+    "jaxamp bf16",
+    "jaxamp fp16",
+    "mpx bf16",
+    "jmp bf16",
+    "hand bf16",
+    "jaxamp bf16 + E4M3 residuals",
+]
 PEERS = {"mpx bf16": "mpx", "jmp bf16": "jmp"}  # variant -> the module it needs
 
 

@@ -35,6 +35,12 @@ class WalkState:
             trace, ``id(value) -> (value, flag)``; None: no check.
         facts: the value facts of the equation being bound (an
             ``EqnFacts``; None outside a walk: every fact unknown).
+        scopes: the ``named_scope`` components of the equation being bound,
+            outermost first (with the enclosing equations' prefix).
+        policy: the policy of the walk (an ``AmpPolicy``; None outside one).
+        stash_off: the walk binds a rule JAX differentiates itself (a
+            ``custom_jvp`` rule, a ``custom_vjp``'s fwd or bwd): its values are
+            not stored compressed (``_policy/_residuals.py``).
     """
 
     held: Mapping[int, Any] | None = None
@@ -42,6 +48,9 @@ class WalkState:
     casts: dict | None = None
     flags: dict | None = None
     facts: Any = None
+    scopes: tuple = ()
+    policy: Any = None
+    stash_off: bool = False
 
 
 _WALK: contextvars.ContextVar[WalkState] = contextvars.ContextVar(

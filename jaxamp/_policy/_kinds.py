@@ -10,6 +10,8 @@ paths, special keys) to one of:
 * :class:`ImplementationRule`: runs the equation itself (int8 and FP8 matmuls);
 * :class:`AttentionRule`: the value of the ``"attention"`` key, how amp runs
   attention;
+* :class:`ResidualRule`: the value of the ``"residuals"`` key, how the values
+  saved for the backward pass are stored;
 * :class:`ScopePolicy`: a nested policy for everything inside a scope.
 
 User values are converted by :func:`as_policy_value`: a plain function with the
@@ -24,7 +26,12 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
+
+from ._stash import FP8_GROUP, INT8_GROUP, Format, parse_dtype
+
 ATTENTION_KEY = "attention"
+RESIDUALS_KEY = "residuals"
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "off")
 # Attributes a typed rule copies from the function it wraps (its name and
 # docstring: for error messages, ``help()`` and the API reference).
@@ -160,6 +167,52 @@ class AttentionRule:
         return f"attention_rule({self.implementation!r})"
 
 
+@dataclasses.dataclass(frozen=True)
+class ResidualRule:
+    """Value of the ``"residuals"`` policy key: how the values amp saves for
+    the backward pass are stored (see :func:`jaxamp.residual_rule`). Valid only
+    under that key, at the top of a policy or inside a nested scope policy,
+    where it applies to the scope.
+
+    Attributes:
+        dtype: ``numpy.dtype(float8_e4m3fn)``, ``float8_e5m2`` or ``int8``:
+            stored in 8 bits with per-group float32 scales; None: stored in
+            the dtype amp computes them in (no compression).
+        group_size: values per scale along the last axis; None: 128 for FP8,
+            32 for int8.
+
+    Raises:
+        ValueError: for another ``dtype`` or a ``group_size`` below 1.
+    """
+
+    dtype: Any = None
+    group_size: int | None = None
+
+    def __post_init__(self):
+        dtype = parse_dtype(self.dtype, "residual_rule(dtype)")
+        object.__setattr__(self, "dtype", dtype)
+        size = self.group_size
+        if size is None:
+            return
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(
+                f"residual_rule(group_size={size!r}): a positive int, the values "
+                "per float32 scale along the last axis (default 128; 32 for int8)."
+            )
+
+    @property
+    def format(self) -> Format | None:
+        """The stored form (``_stash.Format``), None for no compression."""
+        if self.dtype is None:
+            return None
+        default = INT8_GROUP if self.dtype == np.dtype(np.int8) else FP8_GROUP
+        return Format(self.dtype, self.group_size or default)
+
+    def __repr__(self) -> str:
+        name = None if self.dtype is None else self.dtype.name
+        return f"residual_rule({name!r}, group_size={self.group_size})"
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class ScopePolicy:
     """A policy for everything inside a ``jax.named_scope`` (the value of a
@@ -187,7 +240,7 @@ class ScopePolicy:
             )
 
 
-PolicyValue = CastRule | ImplementationRule | AttentionRule | ScopePolicy
+PolicyValue = CastRule | ImplementationRule | AttentionRule | ResidualRule | ScopePolicy
 
 
 def as_policy_value(key: Any, value: Any) -> PolicyValue:
@@ -205,13 +258,23 @@ def as_policy_value(key: Any, value: Any) -> PolicyValue:
 
     Raises:
         TypeError: for a value of no kind, a mapping under a non-string key, or
-            an :class:`AttentionRule` under another key than ``"attention"``.
+            an :class:`AttentionRule` under another key than ``"attention"``
+            (a :class:`ResidualRule` likewise for ``"residuals"``).
     """
     if isinstance(value, AttentionRule):
         if key != ATTENTION_KEY:
             raise TypeError(
                 f"amp_policy[{key!r}] is an attention rule; it belongs under the "
                 f"key {ATTENTION_KEY!r} (e.g. {{'{ATTENTION_KEY}': {value!r}}})."
+            )
+        return value
+    if isinstance(value, ResidualRule) or key == RESIDUALS_KEY:
+        if key != RESIDUALS_KEY or not isinstance(value, ResidualRule):
+            raise TypeError(
+                f"amp_policy[{key!r}] = {value!r}: the key {RESIDUALS_KEY!r} takes "
+                "a jaxamp.residual_rule(...) and a residual rule belongs under it "
+                f"(e.g. {{'{RESIDUALS_KEY}': "
+                "jaxamp.residual_rule(jnp.float8_e4m3fn)})."
             )
         return value
     if isinstance(value, (CastRule, ImplementationRule, ScopePolicy)):

@@ -24,10 +24,12 @@ from typing import Any
 from .. import _compat
 from ._kinds import (
     ATTENTION_KEY,
+    RESIDUALS_KEY,
     AttentionRule,
     CastRule,
     ImplementationRule,
     PolicyValue,
+    ResidualRule,
     ScopePolicy,
     as_policy_value,
 )
@@ -247,14 +249,33 @@ class AmpPolicy:
             value = self._by_name.get(name)
         return self._default if value is None or isinstance(value, AmpPolicy) else value
 
+    def residual_rule(self, scopes: Sequence[str]) -> ResidualRule | None:
+        """The ``"residuals"`` entry in force under the scope components
+        ``scopes``: that of the innermost nested scope policy on the stack that
+        has one, else this policy's own, else None (recorded as a lookup of
+        the key, for :meth:`warn_unmatched`). None in ``amp_stop`` regions."""
+        self._seen_prims.add(RESIDUALS_KEY)
+        if "amp_stop" in scopes or AMP_REGION in scopes:
+            return None
+        own = self._by_name.get(RESIDUALS_KEY)
+        found = self._in_scopes(scopes, False)
+        if found is not None and isinstance(found[0], AmpPolicy):
+            inner = found[0].residual_rule(found[1])
+            if inner is not None:
+                return inner
+        return own if isinstance(own, ResidualRule) else None
+
     def _in_scopes(self, scopes: Sequence[str], attention: bool) -> tuple | None:
         """``(value, components inside the match)`` of the scope key that wins
         on ``scopes`` (see the class docstring), or None. An attention rule
-        matches only when ``attention`` (the attention lookup)."""
+        matches only when ``attention`` (the attention lookup); a residual
+        rule never (it is no rule for a scope named ``"residuals"``)."""
         best = None  # (components, start, value, end in scopes)
         for i, scope in enumerate(scopes):
             value = self._by_name.get(scope)
             if value is None or (isinstance(value, AttentionRule) and not attention):
+                continue
+            if isinstance(value, ResidualRule):
                 continue
             best = (1, i, value, i + 1)
             break

@@ -15,12 +15,19 @@ a careful hand-written model keeps them (see ``docs/design.md``, "Residuals"):
   backward pass: the float32 copy would be a residual twice the activation's
   bytes. Inside a user's ``jax.checkpoint`` none of this applies: its own
   policy decides what is saved.
+
+With a residual format in force (``amp(residual_dtype=...)`` or the policy key
+``"residuals"``: :func:`residual_rule`; ``_compressed.stash_format``),
+an equation whose backward pass reads an input that is not held is bound by
+``_compressed.py`` instead: that input is saved in 8 bits with per-group
+scales and decoded in the backward pass. See ``docs/design.md``, "Compressed
+residuals".
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -33,18 +40,15 @@ from .._base._dtypes import dtype_of, is_float, is_low
 from .._base._prims import MATMULS
 from .._base._structure import describe
 from .._values._facts import current_facts
+from . import _stash
+from ._compressed import bind_compressed, is_held, stash_format
+from ._kinds import RESIDUALS_KEY, ResidualRule
 from ._rules import use_lower_precision
 
 # Scope of the checkpoints added around an equation to re-cast its inputs in
 # the backward pass: the scan rule inlines one whose casts it moved before the
 # loop (is_recast).
 RECAST_SCOPE = "jaxamp_recast"
-
-
-def is_held(x: Any) -> bool:
-    """True if ``x`` is an input of the current walk that is alive for the step."""
-    held = _state.current().held
-    return held is not None and held.get(id(x)) is x
 
 
 def is_recast(eqn: Any) -> bool:
@@ -76,6 +80,11 @@ def bind_saving_less(
     narrow = "narrow_activations" not in off
     if narrow and call.name in MATMULS and call.rule is use_lower_precision:
         invals = _narrow_activations(invals, call.original, call.compute_dtype)
+    fmt = stash_format()
+    if fmt is not None:
+        outs = bind_compressed(call, invals, fmt)
+        if outs is not None:
+            return outs
     if call.name in MATMULS and _casts_only_held(invals, call.compute_dtype):
         return recomputing_casts(call.apply, invals)
     # A square widened to float32 re-casts its low-precision input. An
@@ -150,3 +159,79 @@ def recomputing_casts(apply: Callable, invals: Sequence[Any]) -> Any:
 
     with jax.named_scope(RECAST_SCOPE):
         return jax.checkpoint(run)(*(invals[i] for i in idx))
+
+
+def residual_rule(dtype: Any, group_size: int | None = None) -> ResidualRule:
+    """The policy value for the key ``"residuals"``: how saved values are stored.
+
+    ``amp(residual_dtype=d)`` is ``amp_policy={..., "residuals":
+    residual_rule(d)}``; inside a nested scope policy the rule applies to the
+    scope, so a fragile scope can keep its residuals in the compute dtype, or
+    a single scope can be the only one compressed.
+
+    Each saved activation ``x`` (the input a product's weight gradient reads,
+    the inputs of non-linearities and norm regions, the XLA attention
+    kernel's v, the inputs a user's ``jax.checkpoint`` saves at its boundary)
+    is stored as ``dtype`` values with one float32 scale per ``group_size``
+    consecutive values of its last axis, ``scale = amax / bound``, and decoded
+    in the backward pass; the forward pass and the gradients keep their
+    dtypes. A last axis no longer than the group is one group; a longer one
+    that the group does not divide ends with a shorter group; a last axis
+    shorter than 32 is not compressed. Held values (parameters, the batch)
+    and values made from them by a transpose, reshape or cast are never
+    compressed; nor are the inputs of ``exp``/``logistic`` and attention's
+    q and k (their absolute error would become a relative error of the
+    probabilities recomputed from them).
+
+    Sources: COAT (Xi et al., ICLR 2025, arXiv 2410.19313): FP8 inputs of
+    linear and non-linear layers with per-group scales; DeepSeek-V3
+    (arXiv 2412.19437, section 3.3): E4M3 with 1 x 128 activation tiles and
+    online amax; Jetfire (Xi et al., ICML 2024, arXiv 2403.12422): INT8 with
+    32-wide blocks.
+
+    Args:
+        dtype: ``jnp.float8_e4m3fn`` (``"fp8"``, ``"e4m3"``),
+            ``jnp.float8_e5m2`` (``"e5m2"``) or ``"int8"``; None: stored in
+            the dtype amp computes them in.
+        group_size: values per scale along the last axis; None: 128 for FP8
+            (DeepSeek-V3's tile), 32 for int8 (an outlier coarsens only its 32
+            neighbours' evenly spaced levels).
+
+    Returns:
+        A :class:`jaxamp.ResidualRule`, valid only under the key
+        ``"residuals"``.
+
+    Raises:
+        ValueError: for another ``dtype`` or a ``group_size`` below 1.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxamp
+        >>> policy = {**jaxamp.default_amp_policy,
+        ...           "head": {**jaxamp.default_amp_policy,
+        ...                    "residuals": jaxamp.residual_rule(None)}}
+        >>> f = jaxamp.amp(lambda w, x: jnp.tanh(x @ w).sum(),
+        ...                compute_dtype=jnp.bfloat16, amp_policy=policy,
+        ...                residual_dtype=jnp.float8_e4m3fn)
+    """
+    return ResidualRule(dtype, group_size)
+
+
+def with_residual_dtype(amp_policy: Any, residual_dtype: Any) -> Any:
+    """``amp_policy`` with ``"residuals": residual_rule(residual_dtype)`` at its
+    top (``amp``'s ``residual_dtype`` argument); unchanged for None.
+
+    Raises:
+        ValueError: for a dtype other than FP8 E4M3/E5M2 or int8, or when
+            ``amp_policy`` has its own ``"residuals"`` entry.
+    """
+    if residual_dtype is None:
+        return amp_policy
+    rule = ResidualRule(_stash.parse_dtype(residual_dtype, "amp(residual_dtype)"))
+    if isinstance(amp_policy, Mapping) and RESIDUALS_KEY in amp_policy:
+        raise ValueError(
+            f"amp(residual_dtype={residual_dtype!r}) and amp_policy["
+            f"{RESIDUALS_KEY!r}] both say how residuals are stored; give one."
+        )
+    if not isinstance(amp_policy, Mapping):
+        return amp_policy  # AmpPolicy checks and names the argument
+    return {**amp_policy, RESIDUALS_KEY: rule}

@@ -24,6 +24,7 @@ from .._base import _state
 from .._base._cast import cast_cache
 from .._base._dtypes import is_low
 from .._base._jaxpr import is_var, named_subs
+from .._policy._compressed import stash_format, store_compressed
 from .._walk._loop import PatternRewrite, Region, Walk
 
 # Scope of the checkpoint in which an RMSNorm's statistic and scaling run.
@@ -60,7 +61,9 @@ def run_region(
     last one's output: inside one ``jax.checkpoint`` (named scope ``scope``)
     when a low-precision value enters them (``input_var``'s, if given) outside
     a user's checkpoint, so that the backward pass saves their inputs and
-    recomputes the rest."""
+    recomputes the rest. With a residual format in force the values entering
+    the region are saved in it instead (``_policy/_residuals.py``) and the
+    region is recomputed from them."""
     eqns = [walk.jaxpr.eqns[j] for j in region]
     made = {v for e in eqns for v in e.outvars}
     leaves = list(
@@ -74,6 +77,12 @@ def run_region(
         return local[eqns[-1].outvars[0]]
 
     vals = [walk.env[v] for v in leaves]
+    fmt = stash_format()  # a residual format: the entering values stored in it
+    if fmt is not None:
+        with jax.named_scope(scope):
+            outs = store_compressed(run, vals, fmt, recomputed=True)
+        if outs is not None:
+            return outs
     entering = vals if input_var is None else [walk.env[input_var]]
     if _state.current().recomputed or not any(map(is_low, entering)):
         return run(*vals)

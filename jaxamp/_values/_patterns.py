@@ -220,7 +220,6 @@ def _is_constant(v: Any, producer: dict) -> bool:
     return False
 
 
-
 def _plain_call(eqn: Any) -> bool:
     """A call a centred region may hold (Equinox's ``jnp.var`` is a ``jit``):
     not a user's checkpoint, loop or custom rule."""

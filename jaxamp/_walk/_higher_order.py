@@ -52,8 +52,14 @@ from .._base._structure import (
     describe_call,
     run_once,
 )
-from .._policy._residuals import is_held
+from .._policy._compressed import (
+    is_held,
+    recomputable,
+    stash_format,
+    store_compressed,
+)
 from .._policy._rules import Rule, default_amp_policy, narrow_bfloat16_carries
+from .._policy._stash import compressible
 from .._values import _facts
 from ._loop import (
     AmpContext,
@@ -166,7 +172,9 @@ def rewrite_jaxpr(
     # The value facts of the outputs' uses, as the enclosing equation's analysis
     # found them (None when traced lazily, e.g. a jvp rule under jax.grad).
     edge = _facts.current_facts().boundary_for(jaxpr)
-    key = (ctx.key, in_dtypes, out_dtypes, held, edge, _state.current().recomputed)
+    state = _state.current()
+    modes = (state.recomputed, state.stash_off)
+    key = (ctx.key, in_dtypes, out_dtypes, held, edge, modes)
     if key not in per_jaxpr:
         new = _retrace(jaxpr, ctx, in_dtypes, out_dtypes, held, edge)
         per_jaxpr[key] = _compat.like(jaxpr, new)
@@ -238,13 +246,33 @@ def _call(eqn: Any, invals: list, ctx: AmpContext) -> Any:
     # policy decides what is saved (a dots_saveable policy must see the dots).
     structure = _structure.describe(eqn)
     remat = structure is not None and structure.recomputed
-    held = () if remat else tuple(map(is_held, invals))
-    with _state.recomputing(remat):
+    # With a residual format: a checkpoint's boundary inputs, or all inputs of
+    # a call that is cheap and safe to recompute (jax.nn.silu), are saved
+    # compressed and the body recomputed from them (_policy/_compressed.py).
+    fmt = stash_format()
+    stored = fmt is not None and _worth_storing(invals)
+    stored = stored and (remat or recomputable(params[name]))
+    held = () if remat or stored else tuple(map(is_held, invals))
+    with _state.recomputing(remat or stored):
         params[name] = rewrite_jaxpr(params[name], ctx, in_dtypes, FREE, held)
     if params[name] is None:
         return run_unchanged(eqn, invals, ctx)
     bparams = _compat.bind_params(eqn.primitive, params)
-    return _compat.bind(eqn.primitive, invals, bparams)
+    bind = functools.partial(_bind_list, eqn.primitive, bparams)
+    if stored:
+        outs = store_compressed(bind, invals, fmt)
+        if outs is not None:
+            return outs
+    return bind(*invals)
+
+
+def _bind_list(prim: Any, params: dict, *invals: Any) -> Any:
+    return _compat.bind(prim, invals, params)
+
+
+def _worth_storing(invals: list) -> bool:
+    """Some input would be stored compressed (not held, compressible)."""
+    return any(compressible(x) and not is_held(x) for x in invals)
 
 
 def _describe_while(eqn: Any) -> Structure:
@@ -432,7 +460,13 @@ def _custom_jvp_call(eqn: Any, invals: list, ctx: AmpContext) -> Any:
     params = dict(eqn.params)
     n_consts = params["num_consts"]
     in_dtypes = _changed_dtypes(invals, eqn.invars)
-    call = rewrite_jaxpr(params["call_jaxpr"], ctx, in_dtypes, FREE)
+    # With a residual format the function's inputs are saved compressed and
+    # its jvp rule runs in the backward pass on the decoded values.
+    fmt = stash_format()
+    stored = fmt is not None and _worth_storing(invals)
+    stored = stored and recomputable(params["call_jaxpr"])
+    with _state.recomputing(stored):
+        call = rewrite_jaxpr(params["call_jaxpr"], ctx, in_dtypes, FREE)
     core, _ = _compat.jaxpr_parts(call)
     out_dtypes = _changed_dtypes(core.outvars, eqn.outvars)
     params["call_jaxpr"] = call
@@ -445,12 +479,20 @@ def _custom_jvp_call(eqn: Any, invals: list, ctx: AmpContext) -> Any:
         jvp_jaxpr, jvp_consts, out_zeros, *rest = user_jvp.call_wrapped(*zeros)
         jin = primal_in + tuple(d for d, z in zip(primal_in, zeros) if not z)
         jout = out_dtypes + tuple(d for d, z in zip(out_dtypes, out_zeros) if not z)
-        new = rewrite_jaxpr(_compat.ClosedJaxpr(jvp_jaxpr, jvp_consts), ctx, jin, jout)
+        # JAX linearizes the rule itself: nothing in it is stored compressed.
+        with _state.updated(stash_off=True):
+            jvp_closed = _compat.ClosedJaxpr(jvp_jaxpr, jvp_consts)
+            new = rewrite_jaxpr(jvp_closed, ctx, jin, jout)
         return (*_compat.jaxpr_parts(new), out_zeros, *rest)
 
     params["jvp_jaxpr_fun"] = _compat.wrap_fun(amp_jvp, user_jvp)
     bparams = _compat.bind_params(eqn.primitive, params)
-    return _compat.bind(eqn.primitive, invals, bparams)
+    bind = functools.partial(_bind_list, eqn.primitive, bparams)
+    if stored:
+        outs = store_compressed(bind, invals, fmt)
+        if outs is not None:
+            return outs
+    return bind(*invals)
 
 
 def _changed_dtypes(values: list, like_vars: list) -> tuple:
@@ -472,12 +514,16 @@ def _custom_vjp_call(eqn: Any, invals: list, ctx: AmpContext) -> Any:
     params["call_jaxpr"] = rewrite_jaxpr(params["call_jaxpr"], ctx)
     user_fwd, user_bwd = params["fwd_jaxpr_thunk"], params["bwd"]
 
+    # The user's rules choose and read their residuals: nothing in them is
+    # stored compressed.
     def amp_fwd(*nonzeros):
         fwd_jaxpr, fwd_consts = user_fwd.call_wrapped(*nonzeros)
-        return _amp_closed_jaxpr(fwd_jaxpr, fwd_consts, ctx)
+        with _state.updated(stash_off=True):
+            return _amp_closed_jaxpr(fwd_jaxpr, fwd_consts, ctx)
 
     def amp_bwd(*args):
-        return _amp_call(user_bwd.call_wrapped, args, ctx)
+        with _state.updated(stash_off=True):
+            return _amp_call(user_bwd.call_wrapped, args, ctx)
 
     params["fwd_jaxpr_thunk"] = _compat.wrap_fun(amp_fwd, user_fwd)
     params["bwd"] = _compat.wrap_fun(amp_bwd, user_bwd)

@@ -264,7 +264,10 @@ def _in_region(walk: Walk, region: Region, i: int, started: dict) -> bool:
         return False
     if i != region.eqns[-1]:
         return True
-    outs = region.finish(walk, started[first])
+    last = walk.jaxpr.eqns[i]
+    scopes = walk.ctx.scopes + _compat.scope_names(last)
+    with _state.updated(scopes=scopes, policy=walk.ctx.policy):
+        outs = region.finish(walk, started[first])
     if outs is None:
         return False
     write(walk.env, walk.jaxpr.eqns[i], outs)
@@ -276,7 +279,8 @@ def _run_eqn(eqn: Any, eqn_facts: Any, env: dict, ctx: AmpContext) -> None:
     current, reading its inputs from ``env`` and writing its outputs there."""
     invals = [read(env, v) for v in eqn.invars]
     scopes = ctx.scopes + _compat.scope_names(eqn)
-    with _state.updated(facts=eqn_facts), _compat.eqn_context(eqn):
+    where = _state.updated(facts=eqn_facts, scopes=scopes, policy=ctx.policy)
+    with where, _compat.eqn_context(eqn):
         hop = ctx.pipeline.higher_order.get(eqn.primitive.name)
         if hop is not None:
             outs = hop(eqn, invals, ctx.inside(scopes))

@@ -9,6 +9,7 @@ operands into the ``(B, T, N, H)`` layout first and its output back.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from typing import Any
@@ -21,6 +22,7 @@ from ... import _compat
 from ..._base._cast import cast
 from ..._base._dtypes import is_float
 from ..._policy import _derived_sums
+from ..._policy._compressed import stash_format, store_compressed
 from ._intercept import Spec, not_intercepting, unpack
 
 # The named_scope of the equations amp binds for an attention it re-dispatched.
@@ -100,7 +102,34 @@ def dispatch(
             except (NotImplementedError, ValueError, RuntimeError):
                 if force:
                     raise
-        return _bind_xla(q, k, v, bias, mask, **kwargs)
+        return _bind_xla_storing(q, k, v, bias, mask, kwargs)
+
+
+def _bind_xla_storing(q, k, v, bias, mask, kwargs: dict) -> Any:
+    """:func:`_bind_xla`; with a residual format in force
+    (``_policy/_residuals.py``) its backward pass reads v stored in it and q,
+    k as they are, and recomputes the logits and softmax (q and k stay exact:
+    exp turns an absolute error of a logit into a relative error of a
+    probability)."""
+    fmt = stash_format()
+    if fmt is not None:
+        lengths = [kwargs["query_seq_lengths"], kwargs["key_value_seq_lengths"]]
+        outs = store_compressed(
+            functools.partial(_bind_xla_positional, kwargs),
+            [q, k, v, bias, mask, *lengths],
+            fmt,
+            recomputed=True,
+            keep=(0, 1),
+        )
+        if outs is not None:
+            return outs
+    return _bind_xla(q, k, v, bias, mask, **kwargs)
+
+
+def _bind_xla_positional(kwargs: dict, q, k, v, bias, mask, q_seqlen, kv_seqlen):
+    """:func:`_bind_xla` with the sequence lengths as positional arguments."""
+    kwargs = dict(kwargs, query_seq_lengths=q_seqlen, key_value_seq_lengths=kv_seqlen)
+    return _bind_xla(q, k, v, bias, mask, **kwargs)
 
 
 def _narrow(x: Any, dtype: Any) -> Any:

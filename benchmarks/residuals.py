@@ -1,0 +1,198 @@
+"""Compressed residuals (``jaxamp.amp(residual_dtype=...)``): bytes saved for
+the backward pass, gradient error, and the step's per-layer peak.
+
+    python benchmarks/residuals.py --out benchmarks/RESULTS_RESIDUALS.md
+
+Part 1, on ``benchmarks/run.py``'s scanned GPT of size S (width 256, 4 layers,
+seq 128, batch 8; float32 parameters pre-rounded to bfloat16): per compute
+dtype (bfloat16; float16 with dynamic loss scaling at 2**15) and residual
+dtype (None, E4M3, E5M2, int8), the saved residual bytes
+(``jaxamp.saved_residual_bytes``, arguments excluded) relative to float32's,
+and the gradients' relative L2 error against float32's, also relative to amp's
+own (``residual_dtype=None``) at the same compute dtype; the same with each
+scanned block under ``jax.checkpoint`` (bytes relative to float32 with the
+same checkpoint).
+
+Part 2, activation-dominated (seq >= 2048): XLA's ``memory_analysis()`` of
+the jitted ``value_and_grad`` (compile only) at two layer counts; the step's
+peak is ``argument + output - alias + temp`` bytes, the per-layer peak the
+slope between them (fixed costs cancel). XLA:CPU's buffer assignment stands
+in for a GPU's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+import jaxamp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import run  # noqa: E402
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+STORED = {"none": None, "E4M3": E4M3, "E5M2": E5M2, "int8": "int8"}
+# Activation-dominated: d_model, heads, seq, batch, vocab (the layer count
+# varies); long sequences make the saved activations dwarf the parameters.
+LONG = {"d": 256, "heads": 4, "seq": 2048, "batch": 2, "vocab": 256}
+
+
+def _grads(loss, compute, params, x, y):
+    if compute == "float16":
+        return run.value_and_grad(run.LossScaled(loss))(params, x, y)[1]
+    return jax.grad(loss)(params, x, y)
+
+
+def part1(remat: bool) -> list[dict]:
+    """Residual bytes and gradient error per compute and residual dtype."""
+    params, x, y = run.init("S")
+    base = run.make_loss("S", remat=remat)
+    f32 = jaxamp.saved_residual_bytes(base, params, x, y)
+    ref = jax.jit(jax.grad(base))(params, x, y)
+    rows = []
+    for compute in ("bfloat16", "float16"):
+        amp_err = None
+        for name, stored in STORED.items():
+            loss = jaxamp.amp(base, compute_dtype=compute, residual_dtype=stored)
+            grads = jax.jit(
+                lambda p, a, b, loss=loss, c=compute: _grads(loss, c, p, a, b)
+            )(params, x, y)
+            finite = all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads))
+            err = run._rel_l2(grads, ref)
+            amp_err = err if amp_err is None else amp_err
+            rows.append(
+                {
+                    "compute": compute,
+                    "residuals": name,
+                    "bytes_vs_fp32": jaxamp.saved_residual_bytes(loss, params, x, y)
+                    / f32,
+                    "grad_err": err,
+                    "err_vs_amp": err / amp_err,
+                    "finite": finite,
+                }
+            )
+    return rows
+
+
+def _long_loss(layers: int):
+    sizes = {
+        "long": (LONG["d"], layers, LONG["seq"], LONG["batch"], LONG["heads"], 256)
+    }
+    run.SIZES.update(sizes)
+    return run.make_loss("long"), run.init("long", sizes=sizes)
+
+
+def peak(loss, args) -> int:
+    """Peak bytes of the jitted value_and_grad (compile only)."""
+    m = jax.jit(jax.value_and_grad(loss)).lower(*args).compile().memory_analysis()
+    return (
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        - m.alias_size_in_bytes
+        + m.temp_size_in_bytes
+    )
+
+
+def part2(layers=(2, 4)) -> list[dict]:
+    """Per-layer peak of the activation-dominated configuration."""
+    variants = {
+        "fp32": lambda f: f,
+        "amp bf16": lambda f: jaxamp.amp(f, compute_dtype=jnp.bfloat16),
+        "amp bf16 + E4M3": lambda f: jaxamp.amp(
+            f, compute_dtype=jnp.bfloat16, residual_dtype=E4M3
+        ),
+        "amp bf16 + int8": lambda f: jaxamp.amp(
+            f, compute_dtype=jnp.bfloat16, residual_dtype="int8"
+        ),
+    }
+    rows = []
+    for name, wrap in variants.items():
+        peaks, residual = [], []
+        for n in layers:
+            base, args = _long_loss(n)
+            loss = wrap(base)
+            peaks.append(peak(loss, args))
+            residual.append(jaxamp.saved_residual_bytes(loss, *args))
+        per_layer = (peaks[1] - peaks[0]) / (layers[1] - layers[0])
+        res_layer = (residual[1] - residual[0]) / (layers[1] - layers[0])
+        rows.append(
+            {"variant": name, "per_layer": per_layer, "residual_per_layer": res_layer}
+        )
+    amp = next(r for r in rows if r["variant"] == "amp bf16")
+    for r in rows:
+        r["vs_amp"] = r["per_layer"] / amp["per_layer"]
+    return rows
+
+
+def markdown(p1: list[dict], p1_remat: list[dict], p2: list[dict], meta: str) -> str:
+    out = [
+        "# Compressed residuals",
+        "",
+        meta,
+        "",
+        "## Size S (width 256, 4 layers, seq 128, batch 8)",
+        "",
+    ]
+    for title, rows in (
+        ("layers in `lax.scan`", p1),
+        ("each block under `jax.checkpoint`", p1_remat),
+    ):
+        out += [
+            f"{title}; bytes relative to float32 with the same structure:",
+            "",
+            "| compute | residuals | residual bytes vs fp32 | grad rel. L2 err "
+            "| err vs amp (same compute) | finite |",
+            "|---|---|---|---|---|---|",
+        ]
+        out += [
+            f"| {r['compute']} | {r['residuals']} | {r['bytes_vs_fp32']:.3f}x "
+            f"| {r['grad_err']:.2e} | {r['err_vs_amp']:.2f}x | {r['finite']} |"
+            for r in rows
+        ]
+        out.append("")
+    d = LONG
+    out += [
+        f"## Activation-dominated: width {d['d']}, seq {d['seq']}, batch {d['batch']}, "
+        f"{d['heads']} heads (compile only)",
+        "",
+        "| variant | per-layer peak MiB | vs amp bf16 "
+        "| saved residuals per layer MiB |",
+        "|---|---|---|---|",
+    ]
+    out += [
+        f"| {r['variant']} | {r['per_layer'] / 2**20:.1f} | {r['vs_amp']:.2f}x "
+        f"| {r['residual_per_layer'] / 2**20:.1f} |"
+        for r in p2
+    ]
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=None, help="write the markdown table here")
+    p.add_argument("--skip-long", action="store_true", help="part 1 only")
+    a = p.parse_args(argv)
+    t0 = time.time()
+    p1, p1r = part1(False), part1(True)
+    p2 = [] if a.skip_long else part2()
+    meta = (
+        "`python benchmarks/residuals.py --out benchmarks/RESULTS_RESIDUALS.md"
+        f"{' --skip-long' if a.skip_long else ''}` "
+        f"on {platform.processor() or platform.machine()} ({jax.default_backend()}), "
+        f"JAX {jax.__version__}, {time.time() - t0:.0f} s."
+    )
+    text = markdown(p1, p1r, p2, meta)
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,398 @@
+"""Compressed residuals: an equation whose backward pass reads 8-bit copies.
+
+:func:`store_compressed` binds a computation (one equation under its rule, a
+call, a region) as a ``jax.custom_vjp`` whose forward pass computes exactly
+what amp would and saves the inputs the derivative reads that are not held
+(``_stash.py``: 8-bit values with per-group float32 scales), and whose
+backward pass decodes them and differentiates the computation again
+(``jax.vjp``: a product's forward result is dead code there, an elementwise
+function is recomputed). Each value is encoded once per trace, outside any
+gradient, so every equation that saves it saves the same two arrays and JAX
+saves them once. See ``docs/design.md``, "Compressed residuals".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jex_core
+
+from .. import _compat
+from .._base import _state
+from .._base._cast import cast_cache
+from .._base._dtypes import is_float
+from .._base._prims import MATMULS
+from ._stash import Format, compressible, decode, encode
+
+
+def is_held(x: Any) -> bool:
+    """True if ``x`` is an input of the current walk that is alive for the step."""
+    held = _state.current().held
+    return held is not None and held.get(id(x)) is x
+
+
+def bind_compressed(call: Any, invals: Sequence[Any], fmt: Format) -> Any:
+    """Bind one ruled equation (``_walk._loop.RuleCall``) with its saved
+    inputs stored in ``fmt``; None where the caller binds it as usual."""
+    if call.name in _RESHAPES:
+        source = _weight_source(invals)
+        if source is not None:  # a transposed weight is a weight
+            out = call.apply(*invals)
+            _mark_weight(out, call, invals, *source)
+            return out
+    if call.name == "exp":
+        return _exp_storing_output(call, invals, fmt)
+    if call.name in _READS_NO_VALUE | _EXPONENTIALS | _CHOOSERS:
+        return None
+    return store_compressed(call.apply, invals, fmt)
+
+
+# Primitives whose derivative reads no float input value (linear, structural
+# or comparison-free selection): never wrapped, nothing of theirs is saved.
+_READS_NO_VALUE = frozenset(
+    {
+        "add",
+        "add_any",
+        "sub",
+        "neg",
+        "convert_element_type",
+        "reshape",
+        "broadcast_in_dim",
+        "transpose",
+        "squeeze",
+        "expand_dims",
+        "slice",
+        "dynamic_slice",
+        "dynamic_update_slice",
+        "concatenate",
+        "pad",
+        "reduce_sum",
+        "select_n",
+        "copy",
+        "copy_p",
+        "cumsum",
+        "rev",
+        "reduce_precision",
+        "real",
+        "imag",
+        "stop_gradient",
+        "iota",
+        "eq",
+        "ne",
+        "lt",
+        "le",
+        "gt",
+        "ge",
+        "sign",
+        "floor",
+        "ceil",
+        "round",
+        "is_finite",
+    }
+)
+# Their derivative routes the cotangent by comparing input values (which
+# element is the largest, the sort order): recomputed from rounded values the
+# choice could change, so they save what JAX saves.
+_CHOOSERS = frozenset(
+    {"sort", "top_k", "reduce_max", "reduce_min", "argmax", "argmin"}
+    | {"cummax", "cummin"}
+)
+
+
+def recomputable(jaxpr: Any) -> bool:
+    """``jaxpr`` (and its sub-jaxprs) can be recomputed from stored inputs:
+    no product (its cost), no :data:`_CHOOSERS` or :data:`_EXPONENTIALS`
+    (their results from rounded inputs could differ in kind)."""
+    core, _ = _compat.jaxpr_parts(jaxpr)
+    unsafe = _CHOOSERS | _EXPONENTIALS | set(MATMULS)
+    for eqn in core.eqns:
+        if eqn.primitive.name in unsafe:
+            return False
+        if not all(map(recomputable, _compat.sub_jaxprs(eqn.params))):
+            return False
+    return True
+
+
+# Their inputs are not stored compressed: exp turns an absolute error of its
+# input into a relative error of its output (a softmax's probabilities). exp
+# stores its output instead (its derivative), the others as JAX saves them.
+_EXPONENTIALS = frozenset({"exp", "exp2", "expm1", "logistic"})
+
+
+def _exp_storing_output(call: Any, invals: Sequence[Any], fmt: Format) -> Any:
+    """``exp`` whose backward pass reads its output stored in ``fmt``."""
+    (x,) = invals
+    y = call.apply(x)
+    if not (isinstance(x, jax.Array) and compressible(y)) or is_held(x):
+        return y
+    codes = encoded(y, fmt)
+
+    @jax.custom_vjp
+    def stored(x, q, scale):
+        return call.apply(x)
+
+    def fwd(x, q, scale):
+        return call.apply(x), (q, scale)
+
+    def bwd(saved, g):
+        out = g * decode(*saved, fmt, g.dtype)
+        return out.astype(x.dtype), None, None
+
+    stored.defvjp(fwd, bwd)
+    return stored(x, *codes)
+
+
+STASH_SCOPE = "jaxamp_stash"
+# Equations that re-lay out or re-type their input: applied to held values
+# (a weight's transpose or cast), their output is a weight too, never stored
+# compressed (an 8-bit weight would coarsen the cotangents it carries back).
+_RESHAPES = frozenset(
+    {
+        "transpose",
+        "reshape",
+        "broadcast_in_dim",
+        "convert_element_type",
+        "squeeze",
+        "expand_dims",
+        "slice",
+        "dynamic_slice",
+        "copy",
+        "copy_p",
+    }
+)
+
+
+def _weight_source(invals: Sequence[Any]) -> tuple | None:
+    """``(position, held source, derive)`` where the only array input (at
+    ``position``) is held or made from a held value by :data:`_RESHAPES`
+    (``derive(source)`` remakes it); else None."""
+    arrays = [i for i, x in enumerate(invals) if isinstance(x, jax.Array)]
+    if len(arrays) != 1:
+        return None
+    (i,) = arrays
+    x = invals[i]
+    if is_held(x):
+        return i, x, None
+    found = _weight(x)
+    return None if found is None else (i, *found)
+
+
+def _weight(x: Any) -> tuple | None:
+    """``(held source, derive)`` of a value :func:`_mark_weight` recorded."""
+    cache = _state.current().casts
+    hit = None if cache is None else cache.get((id(x), "weight"))
+    return hit[1] if hit is not None and hit[0] is x else None
+
+
+def _mark_weight(out, call, invals, i, source, derive) -> None:
+    """Record ``out = call(invals)`` as remade from the held ``source``."""
+    cache = _state.current().casts
+    if cache is None or not isinstance(out, jax.Array):
+        return
+
+    def remake(src):
+        vals = list(invals)
+        vals[i] = src if derive is None else derive(src)
+        return call.apply(*vals)
+
+    cache[(id(out), "weight")] = (out, (source, remake))
+
+
+def stash_format() -> Format | None:
+    """The stored form of the values saved where the walk is now: the
+    ``"residuals"`` entry of the policy in force for the current scopes
+    (:meth:`AmpPolicy.residual_rule`), None for none, inside a user's
+    ``jax.checkpoint`` (recomputed anyway) and in rules JAX differentiates
+    itself (``WalkState.stash_off``)."""
+    state = _state.current()
+    if state.policy is None or state.recomputed or state.stash_off:
+        return None
+    rule = state.policy.residual_rule(state.scopes)
+    return None if rule is None else rule.format
+
+
+def encoded(x: Any, fmt: Format) -> tuple[Any, Any]:
+    """``x`` in the stored form ``fmt``, ``(q, scale)``, made once per value
+    and trace (the cast cache holds it), outside any gradient: every equation
+    that saves ``x`` saves the same two arrays, and JAX saves them once."""
+    cache = _state.current().casts
+    key = (id(x), fmt)
+    hit = None if cache is None else cache.get(key)
+    if hit is not None and hit[0] is x:
+        return hit[1]
+    with jax.named_scope(STASH_SCOPE):
+        out = encode(jax.lax.stop_gradient(x), fmt)
+    if cache is not None:
+        cache[key] = (x, out)
+    return out
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["arrays"],
+    meta_fields=["kind", "shape", "dtype", "perturbed", "fmt"],
+)
+@dataclasses.dataclass(frozen=True)
+class _Saved:
+    """What the backward pass keeps of one input: ``kind`` ``"raw"`` (the
+    value), ``"code"`` (``(q, scale)``) or ``"none"`` (nothing: its derivative
+    reads no input value); ``perturbed``: a float input, whose cotangent the
+    backward pass computes."""
+
+    kind: str
+    arrays: tuple
+    shape: tuple
+    dtype: Any
+    perturbed: bool
+    fmt: Format | None
+
+    def value(self) -> Any:
+        if self.kind == "raw":
+            return self.arrays[0]
+        if self.kind == "code":
+            return decode(*self.arrays, self.fmt, self.dtype)
+        return jnp.zeros(self.shape, self.dtype)
+
+
+def _reads(closed: Any, perturbed: Sequence[bool]) -> list[bool]:
+    """Per input of ``closed``: whether the cotangents of its ``perturbed``
+    inputs read its value (dead-code elimination of the traced backward)."""
+    core, _ = _compat.jaxpr_parts(closed)
+    n = len(core.invars)
+    fn = jex_core.jaxpr_as_fun(closed)
+    idx = [i for i, p in enumerate(perturbed) if p]
+    if not idx:
+        return [False] * n
+
+    def backward(*vals_cts):
+        vals = list(vals_cts[:n])
+
+        def of_perturbed(*xs):
+            full = list(vals)
+            for i, x in zip(idx, xs):
+                full[i] = x
+            return fn(*full)
+
+        _, vjp = jax.vjp(of_perturbed, *(vals[i] for i in idx))
+        return vjp(list(vals_cts[n:]))
+
+    avals = [v.aval for v in core.invars] + [v.aval for v in core.outvars]
+    traced = _compat.trace_to_closed_jaxpr(backward, avals)
+    return _compat.used_inputs(_compat.jaxpr_parts(traced)[0])[:n]
+
+
+def store_compressed(
+    fn: Callable,
+    invals: Sequence[Any],
+    fmt: Format,
+    recomputed: bool = False,
+    keep: Collection[int] = (),
+) -> Any:
+    """``fn(*invals)``, its backward pass reading 8-bit copies of its inputs.
+
+    The inputs the derivative reads that are not held and are compressible
+    (``_stash.compressible``) are saved as ``(q, scale)`` in ``fmt``; held
+    ones (alive for the step anyway) and small ones as they are; the others
+    not at all. The forward result is computed from the exact inputs.
+
+    Args:
+        fn: the computation (one equation under its rule, a call, a region):
+            ``fn(*invals)`` returns an array or a list of arrays.
+        invals: its inputs: arrays, and literals that stay constants.
+        fmt: the stored form.
+        recomputed: trace ``fn`` as inside a checkpoint (its own equations
+            are recomputed by the backward pass, so none of them compresses
+            or re-casts on its own).
+        keep: indices of ``invals`` saved as they are, never compressed.
+
+    Returns:
+        ``fn``'s outputs, or None where nothing would be stored compressed (no
+        input read by the derivative is compressible, an output is not a
+        float, ``fn`` closes over a traced value): the caller binds as usual.
+    """
+    idx = [i for i, x in enumerate(invals) if isinstance(x, jax.Array)]
+    # A value made from a held one (a transposed weight) is remade from it in
+    # both passes: the held value is saved, not a copy.
+    weights = [_weight(invals[i]) for i in idx]
+    args = [invals[i] if w is None else w[0] for i, w in zip(idx, weights)]
+    candidates = [
+        compressible(x) and not is_held(x) and i not in keep for i, x in zip(idx, args)
+    ]
+    if not any(candidates):
+        return None
+    tree: list = []
+
+    def flat(*arrays):
+        vals = list(invals)
+        for i, a, w in zip(idx, arrays, weights):
+            vals[i] = a if w is None else w[1](a)
+        with cast_cache(), _state.recomputing(recomputed):
+            leaves, treedef = jax.tree_util.tree_flatten(fn(*vals))
+        tree.append(treedef)
+        return leaves
+
+    closed = _compat.trace_to_closed_jaxpr(flat, [jax.typeof(a) for a in args])
+    core, consts = _compat.jaxpr_parts(closed)
+    outs_float = all(is_float(v.aval.dtype) for v in core.outvars)
+    if not core.outvars or not outs_float or any(map(_compat.is_tracer, consts)):
+        return None
+    floats = [is_float(a.dtype) for a in args]
+    reads = _reads(closed, floats)
+    coded = {j for j, c in enumerate(candidates) if c and reads[j]}
+    if not coded:
+        return None
+    codes = [a for j in sorted(coded) for a in encoded(args[j], fmt)]
+    outs = _stored(closed, args, codes, sorted(coded), floats, reads, fmt)
+    return jax.tree_util.tree_unflatten(tree[0], outs)
+
+
+def _stored(closed, args, codes, coded, floats, reads, fmt) -> list:
+    """Bind ``closed`` on ``args`` as a ``custom_vjp`` that saves ``codes``
+    (``(q, scale)`` per input index in ``coded``) for those inputs.
+
+    What is saved depends only on the avals (JAX may trace the forward rule
+    more than once, e.g. while a ``scan`` settles which carries are perturbed,
+    and needs one residual structure); cotangents are computed for every
+    float input (JAX drops those of unperturbed ones)."""
+    n = len(args)
+    fn = jex_core.jaxpr_as_fun(closed)
+    slot = {j: 2 * k for k, j in enumerate(coded)}
+
+    @jax.custom_vjp
+    def stored(*xs):
+        return fn(*xs[:n])
+
+    def fwd(*vals):
+        saved = []
+        for j, x in enumerate(vals[:n]):
+            meta = (x.shape, x.dtype, floats[j])
+            if not reads[j]:
+                saved.append(_Saved("none", (), *meta, None))
+            elif j in slot:
+                k = n + slot[j]
+                saved.append(_Saved("code", tuple(vals[k : k + 2]), *meta, fmt))
+            else:
+                saved.append(_Saved("raw", (x,), *meta, None))
+        return fn(*vals[:n]), tuple(saved)
+
+    def bwd(saved, cts):
+        vals = [s.value() for s in saved]
+        idx = [j for j, s in enumerate(saved) if s.perturbed]
+
+        def of_floats(*xs):
+            full = list(vals)
+            for j, x in zip(idx, xs):
+                full[j] = x
+            return fn(*full)
+
+        _, vjp = jax.vjp(of_floats, *(vals[j] for j in idx))
+        grads = dict(zip(idx, vjp(list(cts))))
+        return (*(grads.get(j) for j in range(n)), *([None] * len(codes)))
+
+    stored.defvjp(fwd, bwd)
+    return stored(*args, *codes)

@@ -1,0 +1,393 @@
+"""Compressed residuals: ``amp(residual_dtype=...)`` and ``residual_rule``.
+
+The stored form (``_policy/_stash.py``), what the backward pass saves (JAX's
+saved-residuals listing), gradients against float32 under ``jax.jit``, the
+higher-order primitives, per-scope policies, bad input, and the must-show
+figures on the scanned GPT of ``benchmarks/run.py`` (size S).
+"""
+
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxamp
+from jaxamp import _compat
+from jaxamp._policy._stash import Format, compressible, decode, encode
+from tests.helpers import rel_l2
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import run as bench  # noqa: E402
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+BF16 = jnp.bfloat16
+EIGHT_BIT = {np.dtype(E4M3), np.dtype(E5M2), np.dtype(jnp.int8)}
+K = jax.random.split(jax.random.key(32), 8)
+
+
+def _saved(fn, *args):
+    """``[(aval, source)]`` of the saved residuals that are not arguments."""
+    return [
+        (a, s)
+        for a, s in _compat.saved_residuals(fn, *args)
+        if not s.startswith("from the argument")
+    ]
+
+
+# The stored form ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "dtype, group, bound",
+    [(E4M3, 128, 2.0**-4), (E5M2, 128, 2.0**-3), (jnp.int8, 32, None)],
+)
+def test_encode_decode_roundtrip_under_jit(dtype, group, bound):
+    spread = jnp.exp(jax.random.normal(K[1], (4, 6, 1)))
+    x = jax.random.normal(K[0], (4, 6, 256)) * spread
+    fmt = Format(np.dtype(dtype), group)
+    q, scale = jax.jit(lambda x: encode(x, fmt))(x)
+    assert q.dtype == np.dtype(dtype) and q.shape == x.shape
+    assert scale.dtype == np.float32 and scale.shape == (4, 6, 256 // group)
+    back = jax.jit(lambda q, s: decode(q, s, fmt, jnp.float32))(q, scale)
+    err = np.abs(np.asarray(back) - np.asarray(x))
+    step = np.repeat(np.asarray(scale), group, axis=-1)  # one stored unit
+    if bound is None:  # int8: round to the nearest of 255 even levels
+        assert (err <= 0.5 * step + 1e-7 * np.abs(x)).all()
+    else:  # FP8: half a unit in the last place of each value (normal range)
+        normal = np.abs(np.asarray(x)) > step * 2.0**-6
+        assert (err[normal] <= bound * np.abs(np.asarray(x))[normal] * 1.0001).all()
+    # Each group's largest magnitude is stored at the format's bound.
+    peak = np.abs(np.asarray(q, np.float32)).reshape(4, 6, -1, group).max(-1)
+    np.testing.assert_allclose(peak, fmt.bound)
+
+
+def test_short_and_odd_last_axes():
+    fmt = Format(np.dtype(E4M3), 128)
+    # 200 = one group of 128 and one of 72; 40 (<= 128) is one group per row.
+    for length, groups in ((200, 2), (40, 1), (128, 1), (257, 3)):
+        x = jax.random.normal(K[2], (3, length))
+        q, scale = encode(x, fmt)
+        assert scale.shape == (3, groups) and q.shape == x.shape
+        back = decode(q, scale, fmt, jnp.float32)
+        assert rel_l2(back, x) < 0.04
+    # The short group has its own scale: an outlier in it leaves the first
+    # 128 values' scale alone.
+    x = jnp.ones((1, 200)).at[0, 150].set(1000.0)
+    _, scale = encode(x, fmt)
+    np.testing.assert_allclose(np.asarray(scale), [[1 / 448, 1000 / 448]], rtol=1e-6)
+    assert not compressible(jnp.ones((8, 31)))  # a scale per < 32 values
+    assert not compressible(jnp.ones((8, 64), E4M3))  # already 8-bit
+    assert not compressible(jnp.ones((8, 64), jnp.int32))
+    assert compressible(jnp.ones((8, 32), BF16))
+
+
+def test_nonfinite_group_decodes_to_nan():
+    fmt = Format(np.dtype(E4M3), 32)
+    x = jnp.ones((2, 64)).at[0, 3].set(jnp.inf)
+    back = decode(*encode(x, fmt), fmt, jnp.float32)
+    assert np.isnan(np.asarray(back[0, :32])).all()
+    np.testing.assert_array_equal(np.asarray(back[0, 32:]), 1.0)
+    np.testing.assert_array_equal(np.asarray(back[1]), 1.0)
+
+
+# What the backward pass saves ------------------------------------------------
+
+
+def _mlp_params():
+    w1 = jax.random.normal(K[3], (64, 256)) / 8
+    w2 = jax.random.normal(K[4], (256, 64)) / 16
+    x = jax.random.normal(K[5], (32, 64))
+    return w1, w2, x
+
+
+def mlp(w1, w2, x):
+    h = jax.nn.gelu(x @ w1)
+    with jax.named_scope("head"):
+        y = jnp.tanh(h @ w2)
+        return jnp.mean(y**2)
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2, "int8"])
+def test_one_stash_only_8_bit_values_and_scales(dtype):
+    args = _mlp_params()
+    f = jaxamp.amp(mlp, compute_dtype=BF16, residual_dtype=dtype)
+    saved = _saved(f, *args)
+    stored = np.dtype(jnp.int8 if dtype == "int8" else dtype)
+    big = [a for a, _ in saved if np.prod(a.shape) >= 32 * 64]
+    # Every activation-sized residual is 8-bit: no bfloat16 or float32 copy of
+    # a compressed value is saved besides it.
+    assert big and all(np.dtype(a.dtype) == stored for a in big), saved
+    small = [a for a, _ in saved if np.dtype(a.dtype) not in EIGHT_BIT]
+    assert all(np.dtype(a.dtype) == np.float32 for a in small), small
+    plain = jaxamp.saved_residual_bytes(jaxamp.amp(mlp, compute_dtype=BF16), *args)
+    assert jaxamp.saved_residual_bytes(f, *args) < 0.6 * plain
+
+
+def test_forward_is_exact_and_gradients_close_under_jit():
+    args = _mlp_params()
+    plain = jaxamp.amp(mlp, compute_dtype=BF16)
+    ref = jax.jit(jax.value_and_grad(mlp, argnums=(0, 1)))(*args)
+    base = jax.jit(jax.value_and_grad(plain, argnums=(0, 1)))(*args)
+    for dtype, tol in ((E4M3, 0.06), ("int8", 0.03)):
+        f = jaxamp.amp(mlp, compute_dtype=BF16, residual_dtype=dtype)
+        value, grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(*args)
+        # The forward pass reads the exact values: only saved copies are 8-bit.
+        np.testing.assert_allclose(value, base[0], rtol=1e-6)
+        assert rel_l2(grads, ref[1]) < tol
+        assert all(g.dtype == np.float32 for g in grads)
+
+
+def test_cotangents_keep_their_dtype():
+    # A bfloat16 cotangent stays bfloat16: gradients are not 8-bit.
+    def f(w, x):
+        return jnp.sum(jnp.tanh(x @ w).astype(jnp.float32))
+
+    w, _, x = _mlp_params()
+    g = jaxamp.amp(f, compute_dtype=BF16, residual_dtype=E4M3)
+    jaxpr = jax.make_jaxpr(jax.grad(g))(w, x)
+    dots = [
+        e for e, _ in jaxamp.iter_equations(jaxpr) if e.primitive.name == "dot_general"
+    ]
+    assert dots and all(
+        np.dtype(v.aval.dtype) not in EIGHT_BIT for e in dots for v in e.invars
+    )
+
+
+# Higher-order primitives ----------------------------------------------------
+
+
+def _scanned(remat=False, act=jax.nn.gelu):
+    def layer(h, w):
+        return h + act(h @ w) @ w.T, None
+
+    body = jax.checkpoint(layer) if remat else layer
+
+    def loss(ws, x):
+        h, _ = jax.lax.scan(body, x, ws)
+        return jnp.mean(h**2)
+
+    ws = jax.random.normal(K[6], (3, 64, 64)) / 8
+    x = jax.random.normal(K[7], (16, 64))
+    return loss, ws, x
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_scan_and_checkpoint_save_8_bit(remat):
+    loss, ws, x = _scanned(remat)
+    f32 = jaxamp.saved_residual_bytes(loss, ws, x)
+    f = jaxamp.amp(loss, compute_dtype=BF16, residual_dtype=E4M3)
+    saved = _saved(f, ws, x)
+    stacked = [a for a, _ in saved if a.shape[:1] == (3,) and np.prod(a.shape) > 3 * 64]
+    assert stacked and all(np.dtype(a.dtype) == np.dtype(E4M3) for a in stacked)
+    assert jaxamp.saved_residual_bytes(f, ws, x) < 0.35 * f32
+    ref = jax.grad(loss)(ws, x)
+    assert rel_l2(jax.jit(jax.grad(f))(ws, x), ref) < 0.06
+
+
+@jax.custom_jvp
+def softsign(x):
+    return x / (1 + jnp.abs(x))
+
+
+@softsign.defjvp
+def _softsign_jvp(primals, tangents):
+    (x,), (t,) = primals, tangents
+    return softsign(x), t / jnp.square(1 + jnp.abs(x))
+
+
+def test_custom_jvp_function_runs_its_rule_on_decoded_inputs():
+    # jax.nn.relu is a custom_jvp function too.
+    def loss(w, x):
+        h = jax.nn.relu(x @ w)
+        return jnp.sum(softsign(h @ w.T) ** 2)
+
+    w, _, x = _mlp_params()
+    w = w[:, :64]
+    f = jaxamp.amp(loss, compute_dtype=BF16, residual_dtype=E4M3)
+    saved = _saved(f, w, x)
+    assert saved and all(
+        np.prod(a.shape) < 32 * 64 or np.dtype(a.dtype) in EIGHT_BIT for a, _ in saved
+    ), saved
+    assert rel_l2(jax.jit(jax.grad(f))(w, x), jax.grad(loss)(w, x)) < 0.06
+
+
+def test_choices_and_exponentials_are_not_recomputed_from_rounded_values():
+    # jnp.sort is a jitted function: recomputed from 8-bit inputs in the
+    # backward pass its order (which element the cotangent reaches) could
+    # change; sort, max and exp inside it save what JAX saves.
+    w, _, x = _mlp_params()
+
+    def loss(w, x):
+        h = jnp.sort(x @ w, axis=-1)[:, -8:]
+        return jnp.sum(h) + jnp.sum(jax.nn.logsumexp(x @ w, axis=-1))
+
+    f = jaxamp.amp(loss, compute_dtype=BF16, residual_dtype=E4M3)
+    got = jax.jit(jax.grad(f))(w, x)
+    assert rel_l2(got, jax.grad(loss)(w, x)) < 0.02
+
+
+def test_vmap_of_grad():
+    w, _, x = _mlp_params()
+
+    def loss(w, x):
+        return jnp.sum(jnp.tanh(x @ w) ** 2)
+
+    f = jaxamp.amp(loss, compute_dtype=BF16, residual_dtype="int8")
+    xs = jnp.stack([x, 2 * x])
+    got = jax.jit(jax.vmap(jax.grad(f), in_axes=(None, 0)))(w, xs)
+    ref = jax.vmap(jax.grad(loss), in_axes=(None, 0))(w, xs)
+    assert got.shape == ref.shape and rel_l2(got, ref) < 0.03
+
+
+def test_float16_with_loss_scaling_is_finite():
+    loss, ws, x = _scanned()
+    f = jaxamp.amp(loss, compute_dtype=jnp.float16, residual_dtype=E4M3)
+    vg = jaxamp.dynamic_scale_value_and_grad(f, filter=False)
+    state = jaxamp.DynamicScalerState()
+    new_state, (_, grads) = jax.jit(vg)(ws, x, dynamic_scaler_state=state)
+    assert bool(jnp.isfinite(grads).all())
+    assert int(new_state.total_resets) == 0  # the step was not skipped
+    assert rel_l2(grads, jax.grad(loss)(ws, x)) < 0.06
+
+
+# Per-scope policies -----------------------------------------------------------
+
+
+def _eight_bit_shapes(f, *args):
+    """Shapes of the 8-bit residuals, and the dtypes saved per shape."""
+    eight, by_shape = [], {}
+    for a, _ in _saved(f, *args):
+        by_shape.setdefault(a.shape, set()).add(np.dtype(a.dtype))
+        if np.dtype(a.dtype) in EIGHT_BIT:
+            eight.append(a.shape)
+    return eight, by_shape
+
+
+def test_scope_keeps_compute_dtype():
+    args = _mlp_params()
+    keep = {**jaxamp.default_amp_policy, "residuals": jaxamp.residual_rule(None)}
+    policy = {**jaxamp.default_amp_policy, "head": keep}
+    f = jaxamp.amp(mlp, compute_dtype=BF16, amp_policy=policy, residual_dtype=E4M3)
+    eight, by_shape = _eight_bit_shapes(f, *args)
+    # gelu's three values (32 x 256) outside the head are 8-bit; the head's
+    # (its matmul's input, its tanh and square) keep amp's dtypes.
+    assert eight == [(32, 256)] * 3
+    assert np.dtype(BF16) in by_shape[(32, 256)]
+    assert np.dtype(jnp.float32) in by_shape[(32, 64)]
+    everywhere = jaxamp.amp(mlp, compute_dtype=BF16, residual_dtype=E4M3)
+    assert _eight_bit_shapes(everywhere, *args)[0].count((32, 256)) == 4
+
+
+def test_compress_only_one_scope():
+    args = _mlp_params()
+    only = {**jaxamp.default_amp_policy, "residuals": jaxamp.residual_rule("int8")}
+    policy = {**jaxamp.default_amp_policy, "head": only}
+    f = jaxamp.amp(mlp, compute_dtype=BF16, amp_policy=policy)
+    eight, by_shape = _eight_bit_shapes(f, *args)
+    # The head's matmul input (32 x 256) and its tanh's and square's inputs
+    # (32 x 64) are int8; gelu's values outside it stay bfloat16.
+    assert sorted(eight) == [(32, 64), (32, 64), (32, 256)]
+    assert np.dtype(BF16) in by_shape[(32, 256)]
+    assert rel_l2(jax.jit(jax.grad(f))(*args), jax.grad(mlp)(*args)) < 0.03
+
+
+def test_residual_rule_values():
+    rule = jaxamp.residual_rule(E4M3)
+    assert rule == jaxamp.ResidualRule(np.dtype(E4M3))
+    assert rule.format == Format(np.dtype(E4M3), 128)
+    assert jaxamp.residual_rule("int8").format.group == 32
+    assert jaxamp.residual_rule("fp8", group_size=64).format.group == 64
+    assert jaxamp.residual_rule(None).format is None
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match=r"amp\(residual_dtype\)=.*float8_e4m3fn"):
+        jaxamp.amp(mlp, residual_dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"residual_rule\(group_size=0\)"):
+        jaxamp.residual_rule(E4M3, group_size=0)
+    with pytest.raises(ValueError, match="both say how residuals are stored"):
+        jaxamp.amp(
+            mlp,
+            residual_dtype=E4M3,
+            amp_policy={"residuals": jaxamp.residual_rule(E4M3)},
+        )
+    with pytest.raises(TypeError, match="'residuals' takes"):
+        jaxamp.amp(mlp, amp_policy={"residuals": jaxamp.use_full_precision})
+    with pytest.raises(TypeError, match="'residuals' takes"):
+        jaxamp.amp(mlp, amp_policy={"head": jaxamp.residual_rule(E4M3)})
+
+
+# Must-show figures: the scanned GPT of benchmarks/run.py, size S -------------
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    params, x, y = bench.init("S")
+    return bench.make_loss("S"), (params, x, y)
+
+
+def test_gpt_e4m3_bytes(gpt):
+    loss, args = gpt
+    f32 = jaxamp.saved_residual_bytes(loss, *args)
+    f = jaxamp.amp(loss, compute_dtype=BF16, residual_dtype=E4M3)
+    assert jaxamp.saved_residual_bytes(f, *args) <= 0.28 * f32
+
+
+def test_gpt_checkpointed_blocks_e4m3_bytes():
+    loss = bench.make_loss("S", remat=True)
+    args = bench.init("S")
+    f32 = jaxamp.saved_residual_bytes(loss, *args)
+    f = jaxamp.amp(loss, compute_dtype=BF16, residual_dtype=E4M3)
+    assert jaxamp.saved_residual_bytes(f, *args) <= 0.30 * f32
+
+
+@pytest.mark.slow
+def test_gpt_gradient_error(gpt):
+    loss, args = gpt
+    ref = jax.jit(jax.grad(loss))(*args)
+    err = {}
+    for dtype in (None, E4M3, "int8"):
+        f = jaxamp.amp(loss, compute_dtype=BF16, residual_dtype=dtype)
+        err[dtype] = rel_l2(jax.jit(jax.grad(f))(*args), ref)
+    # int8 in 1 x 32 groups: within the issue's 2.5x of amp bfloat16's error.
+    assert err["int8"] <= 2.5 * err[None]
+    # E4M3's 3 mantissa bits give each stored value a 2.6% rms error, which
+    # the weight gradients inherit: 3.1x measured (RESULTS_RESIDUALS.md).
+    assert err[E4M3] <= 3.5 * err[None]
+
+
+# The main job's flag --------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_charlm_residual_dtype_flag(capsys):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import train_charlm
+
+    cfg = train_charlm.Config(
+        steps=4,
+        batch_size=4,
+        seq_len=32,
+        d_model=64,
+        layers=1,
+        heads=2,
+        warmup=2,
+        max_bytes=100_000,
+        eval_batches=1,
+        sample_chars=4,
+        residual_dtype="fp8",
+    )
+    data = train_charlm.load_corpus(None, cfg.max_bytes)
+    r = train_charlm.train(cfg, "bf16", data, progress=False)
+    assert r["label"] == "bf16, fp8 residuals"
+    assert np.isfinite(r["val_loss"]) and r["losses"][-1] < r["losses"][0]
+    x = jnp.zeros((cfg.batch_size, cfg.seq_len), jnp.int32)
+    params = train_charlm.initial_params(cfg)
+    saved = _saved(train_charlm.mode_loss("bf16", cfg), params, x, x)
+    assert any(np.dtype(a.dtype) == np.dtype(E4M3) for a, _ in saved)
+    with pytest.raises(SystemExit):
+        train_charlm.main(["--residual-dtype", "fp4"])
+    assert "--residual-dtype: invalid choice" in capsys.readouterr().err
