@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from .. import _compat
+from . import _chunked
 from ._rounding import (
     BlockQuantized,
     dequantize_blockwise,
@@ -195,37 +197,49 @@ class _Codec(NamedTuple):
     seed: int
     min_size: int
     block_size: int
+    # When stacked leaves are updated one slice at a time: "int8" (with int8
+    # state, whose decoded float32 moments would otherwise exist for whole
+    # leaves), "always" or "never" (the two are bit-identical; tests).
+    slices: str = "int8"
 
-    def state_round(self, x, step, stream):
+    def state_round(self, x, step, stream, offset=0):
         if self.rounding == "nearest":
             return round_nearest_bf16(x)
-        bits = noise_bits(x.shape, self.seed, step, stream)
+        bits = noise_bits(x.shape, self.seed, step, stream, offset)
         return round_stochastic_bf16(x, bits)
+
+    def encode_leaf(self, x, kind, step, stream, offset=0):
+        """One float32 state buffer (or a slice of rows of it starting at
+        flat index ``offset``) stored as ``kind`` says."""
+        if kind == "int8":
+            return quantize_blockwise(x, self.block_size)
+        if kind == "bfloat16":
+            return self.state_round(x, step, stream, offset)
+        return x
 
     def encode(self, state32, plan, step):
         """The float32 inner state stored as ``plan`` says (streams 2i + 1)."""
         leaves, sdef = jax.tree_util.tree_flatten(state32)
         kinds = jax.tree_util.tree_leaves(plan)
-        out = []
-        for i, (x, k) in enumerate(zip(leaves, kinds)):
-            if k == "int8":
-                out.append(quantize_blockwise(x, self.block_size))
-            elif k == "bfloat16":
-                out.append(self.state_round(x, step, 2 * i + 1))
-            else:
-                out.append(x)
+        out = [
+            self.encode_leaf(x, k, step, 2 * i + 1)
+            for i, (x, k) in enumerate(zip(leaves, kinds))
+        ]
         return jax.tree_util.tree_unflatten(sdef, out)
+
+    def decode_leaf(self, t, s):
+        """A stored buffer (or slice) in the dtype of template leaf ``t``."""
+        if isinstance(s, BlockQuantized):
+            return dequantize_blockwise(s, self.block_size).astype(t.dtype)
+        return s.astype(t.dtype) if hasattr(s, "astype") else s
 
     def decode(self, stored, template):
         """The stored inner state in ``template``'s dtypes."""
-
-        def leaf(t, s):
-            if isinstance(s, BlockQuantized):
-                return dequantize_blockwise(s, self.block_size).astype(t.dtype)
-            return s.astype(t.dtype) if hasattr(s, "astype") else s
-
         return jax.tree_util.tree_map(
-            leaf, template, stored, is_leaf=lambda x: isinstance(x, BlockQuantized)
+            self.decode_leaf,
+            template,
+            stored,
+            is_leaf=lambda x: isinstance(x, BlockQuantized),
         )
 
 
@@ -262,6 +276,14 @@ def _wrap(inner, codec: _Codec) -> optax.GradientTransformationExtraArgs:
                 "(call tx.update(grads, opt_state, params))."
             )
         p32, template, plan = layout(params)
+        if codec.slices == "always" or (
+            codec.slices == "int8" and codec.state_kind == "int8"
+        ):
+            out = _update_in_slices(
+                inner, codec, updates, state, params, extra, template, plan
+            )
+            if out is not None:
+                return out
         inner32 = codec.decode(state.inner_state, template)
         u32, new32 = inner.update(_to32(updates, params), inner32, p32, **extra)
         comp = state.compensation
@@ -295,11 +317,13 @@ def _check_params(params: PyTree) -> None:
             )
 
 
-def _write(p, u, c, rounding, seed, step, stream):
+def _write(p, u, c, rounding, seed, step, stream, offset=0):
     """The bfloat16 update of one parameter and its new Kahan compensation.
 
     Returns ``(d, c_new)`` with ``d`` bfloat16 such that ``p + d`` in bfloat16
     is the rounded new parameter; non-bfloat16 leaves return the inner update.
+    ``offset``: the flat index of ``p``'s first element when it is a slice of
+    rows of the parameter (the rounding bits are the whole parameter's).
     """
     if not _is_bf16(p) or u is None:
         return u, None
@@ -308,7 +332,8 @@ def _write(p, u, c, rounding, seed, step, stream):
     if rounding == "kahan":
         target = target + c.astype(jnp.float32)
     if rounding == "stochastic":
-        new = round_stochastic_bf16(target, noise_bits(p.shape, seed, step, stream))
+        bits = noise_bits(p.shape, seed, step, stream, offset)
+        new = round_stochastic_bf16(target, bits)
     else:
         new = round_nearest_bf16(target)
     d = _exact_step(p32, new)
@@ -338,3 +363,222 @@ def _exact_step(p32: jax.Array, new: jax.Array) -> jax.Array:
         hits = round_nearest_bf16(p32 + cand.astype(jnp.float32)) == new
         d = jnp.where(~ok & hits & jnp.isfinite(cand), cand, d)
     return d
+
+
+_BITS = jnp.uint16
+
+
+def _to_bits(x):
+    """A bfloat16 array's uint16 view (other leaves unchanged)."""
+    if _is_bf16(x):
+        return jax.lax.bitcast_convert_type(x, _BITS)
+    return x
+
+
+def _from_bits(x):
+    """The bfloat16 array of a uint16 view (other leaves unchanged)."""
+    if hasattr(x, "dtype") and x.dtype == _BITS:
+        return jax.lax.bitcast_convert_type(x, jnp.bfloat16)
+    return x
+
+
+def _update_in_slices(inner, codec, updates, state, params, extra, template, plan):
+    """:func:`low_precision_optimizer`'s update with the leaves stacked on a
+    layers axis updated one slice (layer) at a time, in place.
+
+    Scalars the inner update needs from whole leaves (the global norm of
+    gradient clipping, counts, schedules) are computed first; then a
+    ``fori_loop`` over the stacked axis decodes one slice of the state,
+    runs the inner update's elementwise part on it, rounds and encodes, and
+    writes the slice back into the donated state and into the gradient's
+    buffer (which becomes the returned updates). So float32 values exist for
+    one slice at a time, never for a whole stacked leaf. Leaves of other
+    shapes are updated whole, as without slicing. The bits are those of the
+    whole-leaf update (same operations per element; rounding bits from the
+    global element index).
+
+    Returns:
+        ``(updates, LowPrecisionState)``, or None when there is no stacked
+        axis or the inner update is not elementwise on the stacked leaves
+        (:class:`_chunked.Unchunkable`); the caller then updates whole leaves.
+    """
+    p_leaves, pdef = jax.tree_util.tree_flatten(params)
+    length = _chunked.stacked_length([p.shape for p in p_leaves if _is_bf16(p)])
+    if length is None:
+        return None
+    # Float32 leaves keep their whole-leaf update (XLA may contract their
+    # float32 arithmetic differently inside a loop); a shape shared with one
+    # is not sliced.
+    shapes = {
+        p.shape for p in p_leaves if _is_bf16(p) and p.ndim and p.shape[0] == length
+    }
+    shapes -= {jnp.shape(p) for p in p_leaves if not _is_bf16(p)}
+    stacked = _chunked.is_stacked(shapes)
+    t_leaves, tdef = jax.tree_util.tree_flatten(template)
+    kinds = jax.tree_util.tree_leaves(plan)
+    e_leaves, edef = jax.tree_util.tree_flatten(extra)
+    try:
+        g_leaves = pdef.flatten_up_to(updates)
+        s_leaves = tdef.flatten_up_to(state.inner_state)
+    except (TypeError, ValueError):
+        return None
+    comp = state.compensation
+    c_leaves = [None] * len(p_leaves) if comp is None else pdef.flatten_up_to(comp)
+    rows = [int(np.prod(t.shape[1:])) for t in t_leaves]
+    if any(stacked(e) for e in e_leaves) or any(
+        stacked(t) and k == "int8" and r % codec.block_size
+        for t, k, r in zip(t_leaves, kinds, rows)
+    ):
+        return None
+    if any(stacked(g) and g.dtype != p.dtype for g, p in zip(g_leaves, p_leaves)):
+        return None
+    n_p, n_t = len(p_leaves), len(t_leaves)
+
+    def flat_update(*flat):
+        g = pdef.unflatten(flat[:n_p])
+        st = tdef.unflatten(flat[n_p : n_p + n_t])
+        p = pdef.unflatten(flat[n_p + n_t : 2 * n_p + n_t])
+        e = edef.unflatten(flat[2 * n_p + n_t :])
+        u, new = inner.update(g, st, p, **e)
+        return pdef.flatten_up_to(u) + tdef.flatten_up_to(new)
+
+    wide = lambda x, p: x.astype(jnp.float32) if _is_bf16(p) else x  # noqa: E731
+    spec = lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))  # noqa: E731
+    try:
+        closed = jax.make_jaxpr(flat_update)(
+            *[spec(wide(g, p)) for g, p in zip(g_leaves, p_leaves)],
+            *[spec(t) for t in t_leaves],
+            *[spec(wide(p, p)) for p in p_leaves],
+            *[spec(e) for e in e_leaves],
+        )
+    except (TypeError, ValueError):
+        return None
+    jaxpr, consts = _compat.jaxpr_parts(closed)
+    out_avals = [v.aval for v in jaxpr.outvars]
+    if any(
+        stacked(p) and (a.shape != p.shape or (not _is_bf16(p) and a.dtype != p.dtype))
+        for a, p in zip(out_avals[:n_p], p_leaves)
+    ) or any(
+        stacked(t) and (a.shape != t.shape or a.dtype != t.dtype)
+        for a, t in zip(out_avals[n_p:], t_leaves)
+    ):
+        return None
+    count = state.count
+
+    def run(g_leaves, s_leaves, c_leaves, p_leaves, e_leaves):
+        whole_in = [
+            *[wide(g, p) for g, p in zip(g_leaves, p_leaves)],
+            *[codec.decode_leaf(t, s) for t, s in zip(t_leaves, s_leaves)],
+            *[wide(p, p) for p in p_leaves],
+            *e_leaves,
+        ]
+        env = {}
+        whole = _chunked.evaluate_whole(jaxpr, consts, whole_in, env)
+
+        # Slices are read and written on uint16 views of bfloat16 buffers:
+        # XLA:CPU runs no bfloat16 dynamic-(update-)slice and would convert
+        # the whole buffer to float32 around each one; integer slices run
+        # in place on every backend, and the bitcasts are free.
+        def take(x, i):
+            s = jax.lax.dynamic_slice_in_dim(x, i, 1, 0)
+            return _from_bits(s) if x.dtype == _BITS else s
+
+        def put(x, v, i):
+            v = _to_bits(v) if x.dtype == _BITS else v.astype(x.dtype)
+            return jax.lax.dynamic_update_slice_in_dim(x, v, i, 0)
+
+        def body(i, carry):
+            d_c, s_c, c_c = (list(x) for x in carry)
+            p_bits = [_to_bits(p) if stacked(p) else None for p in p_leaves]
+            args = [
+                wide(take(d, i), p) if stacked(p) else None
+                for d, p in zip(d_c, p_leaves)
+            ]
+            for t, s in zip(t_leaves, s_c):
+                if not stacked(t):
+                    args.append(None)
+                elif isinstance(s, BlockQuantized):
+                    nb = s.scales.size // length
+                    sc = take(s.scales.reshape(length, nb), i).reshape(nb)
+                    args.append(
+                        codec.decode_leaf(t, BlockQuantized(take(s.codes, i), sc))
+                    )
+                else:
+                    args.append(codec.decode_leaf(t, take(s, i)))
+            args += [
+                wide(take(b, i), p) if stacked(p) else None
+                for b, p in zip(p_bits, p_leaves)
+            ]
+            args += [None] * len(e_leaves)
+            out = _chunked.evaluate_slice(
+                jaxpr, consts, args, env, stacked, lambda sh: (1, *sh[1:])
+            )
+            for j, p in enumerate(p_leaves):
+                if not stacked(p):
+                    continue
+                offset = i.astype(jnp.uint32) * jnp.uint32(rows_p[j] % 2**32)
+                c = None if c_c[j] is None else take(c_c[j], i)
+                d, c_new = _write(
+                    take(p_bits[j], i),
+                    out[j],
+                    c,
+                    codec.rounding,
+                    codec.seed,
+                    count,
+                    2 * j,
+                    offset,
+                )
+                d_c[j] = put(d_c[j], d, i)
+                if c_new is not None:
+                    c_c[j] = put(c_c[j], c_new, i)
+            for j, (t, k) in enumerate(zip(t_leaves, kinds)):
+                if not stacked(t):
+                    continue
+                offset = i.astype(jnp.uint32) * jnp.uint32(rows[j] % 2**32)
+                x = codec.encode_leaf(out[n_p + j], k, count, 2 * j + 1, offset)
+                s = s_c[j]
+                if isinstance(s, BlockQuantized):
+                    nb = s.scales.size // length
+                    sc = put(s.scales.reshape(length, nb), x.scales[None], i)
+                    s_c[j] = BlockQuantized(put(s.codes, x.codes, i), sc.reshape(-1))
+                else:
+                    s_c[j] = put(s, x, i)
+            return d_c, s_c, c_c
+
+        init = (
+            [_to_bits(g) if stacked(p) else None for g, p in zip(g_leaves, p_leaves)],
+            [_to_bits(s) if stacked(t) else None for s, t in zip(s_leaves, t_leaves)],
+            [_to_bits(c) if stacked(p) else None for c, p in zip(c_leaves, p_leaves)],
+        )
+        d_c, s_c, c_c = jax.tree.map(
+            _from_bits, jax.lax.fori_loop(0, length, body, init)
+        )
+        d_out, c_out, s_out = [], [], []
+        for j, p in enumerate(p_leaves):
+            if stacked(p):
+                d_out.append(d_c[j])
+                c_out.append(c_c[j])
+            else:
+                d, c = _write(
+                    p, whole[j], c_leaves[j], codec.rounding, codec.seed, count, 2 * j
+                )
+                d_out.append(d)
+                c_out.append(c)
+        for j, (t, k) in enumerate(zip(t_leaves, kinds)):
+            if stacked(t):
+                s_out.append(s_c[j])
+            else:
+                s_out.append(codec.encode_leaf(whole[n_p + j], k, count, 2 * j + 1))
+        return d_out, s_out, c_out
+
+    rows_p = [int(np.prod(p.shape[1:])) for p in p_leaves]
+    args = (g_leaves, s_leaves, c_leaves, p_leaves, e_leaves)
+    try:
+        jax.eval_shape(run, *args)
+    except _chunked.Unchunkable:
+        return None
+    d_out, s_out, c_out = run(*args)
+    new_comp = pdef.unflatten(c_out) if codec.rounding == "kahan" else None
+    return pdef.unflatten(d_out), LowPrecisionState(
+        count + 1, tdef.unflatten(s_out), new_comp
+    )
