@@ -369,8 +369,9 @@ _BITS = jnp.uint16
 
 
 def _to_bits(x):
-    """A bfloat16 array's uint16 view (other leaves unchanged)."""
-    if _is_bf16(x):
+    """A bfloat16 array's uint16 view where the backend widens bfloat16
+    slices (``_compat.bf16_slices_widen``); other leaves unchanged."""
+    if _is_bf16(x) and _compat.bf16_slices_widen():
         return jax.lax.bitcast_convert_type(x, _BITS)
     return x
 
@@ -475,10 +476,10 @@ def _update_in_slices(inner, codec, updates, state, params, extra, template, pla
         env = {}
         whole = _chunked.evaluate_whole(jaxpr, consts, whole_in, env)
 
-        # Slices are read and written on uint16 views of bfloat16 buffers:
-        # XLA:CPU runs no bfloat16 dynamic-(update-)slice and would convert
-        # the whole buffer to float32 around each one; integer slices run
-        # in place on every backend, and the bitcasts are free.
+        # Where the backend widens bfloat16 slices (XLA:CPU converts the
+        # whole buffer to float32 around each one), slices are read and
+        # written on uint16 views of bfloat16 buffers (the view itself costs
+        # a copy there, half a float32 one).
         def take(x, i):
             s = jax.lax.dynamic_slice_in_dim(x, i, 1, 0)
             return _from_bits(s) if x.dtype == _BITS else s
