@@ -384,19 +384,20 @@ def _from_bits(x):
 
 
 def _update_in_slices(inner, codec, updates, state, params, extra, template, plan):
-    """:func:`low_precision_optimizer`'s update with the leaves stacked on a
-    layers axis updated one slice (layer) at a time, in place.
+    """:func:`low_precision_optimizer`'s update with the state of leaves
+    stacked on a layers axis written one slice (layer) at a time, in place.
 
-    Scalars the inner update needs from whole leaves (the global norm of
-    gradient clipping, counts, schedules) are computed first; then a
-    ``fori_loop`` over the stacked axis decodes one slice of the state,
-    runs the inner update's elementwise part on it, rounds and encodes, and
-    writes the slice back into the donated state and into the gradient's
-    buffer (which becomes the returned updates). So float32 values exist for
-    one slice at a time, never for a whole stacked leaf. Leaves of other
-    shapes are updated whole, as without slicing. The bits are those of the
-    whole-leaf update (same operations per element; rounding bits from the
-    global element index).
+    The inner update's jaxpr is evaluated on whole arrays for its scalars (the
+    global norm of gradient clipping, counts, schedules), for the leaves of
+    other shapes and for the updates: elementwise in the decoded old state,
+    which XLA fuses into them (no float32 moments materialised). The new
+    state of the stacked leaves, whose int8 encoding needs each block's
+    maximum of the new float32 moments, is computed in a ``fori_loop`` over
+    the layers: one layer of the state decoded, the inner update's
+    elementwise part run on it, encoded and written back into the donated
+    state. So float32 moments exist for one layer at a time, never for a
+    whole stacked leaf. The bits are those of the whole-leaf update (same
+    operations per element; rounding bits from the global element index).
 
     Returns:
         ``(updates, LowPrecisionState)``, or None when there is no stacked
@@ -476,103 +477,79 @@ def _update_in_slices(inner, codec, updates, state, params, extra, template, pla
         env = {}
         whole = _chunked.evaluate_whole(jaxpr, consts, whole_in, env)
 
-        # Where the backend widens bfloat16 slices (XLA:CPU converts the
-        # whole buffer to float32 around each one), slices are read and
-        # written on uint16 views of bfloat16 buffers (the view itself costs
-        # a copy there, half a float32 one).
-        def take(x, i):
-            s = jax.lax.dynamic_slice_in_dim(x, i, 1, 0)
-            return _from_bits(s) if x.dtype == _BITS else s
+        # Stacked inputs as (length, ...) arrays, int8 scales as (length,
+        # blocks per layer). Where the backend widens bfloat16 slices (XLA:CPU
+        # converts the whole buffer to float32 around each one), slices are
+        # taken from uint16 views of bfloat16 buffers.
+        def by_layer(s):
+            if isinstance(s, BlockQuantized):
+                return BlockQuantized(s.codes, s.scales.reshape(length, -1))
+            return _to_bits(s)
 
-        def put(x, v, i):
-            v = _to_bits(v) if x.dtype == _BITS else v.astype(x.dtype)
-            return jax.lax.dynamic_update_slice_in_dim(x, v, i, 0)
+        def take(a, i):  # layer i, its leading axis of 1 kept
+            if a is None:
+                return None
+            if isinstance(a, BlockQuantized):
+                codes = jax.lax.dynamic_slice_in_dim(a.codes, i, 1, 0)
+                scales = jax.lax.dynamic_index_in_dim(a.scales, i, 0, False)
+                return BlockQuantized(codes, scales)
+            return _from_bits(jax.lax.dynamic_slice_in_dim(a, i, 1, 0))
 
-        def body(i, carry):
-            d_c, s_c, c_c = (list(x) for x in carry)
-            p_bits = [_to_bits(p) if stacked(p) else None for p in p_leaves]
+        def put(a, v, i):
+            if isinstance(a, BlockQuantized):
+                codes = jax.lax.dynamic_update_slice_in_dim(a.codes, v.codes, i, 0)
+                scales = jax.lax.dynamic_update_index_in_dim(a.scales, v.scales, i, 0)
+                return BlockQuantized(codes, scales)
+            return jax.lax.dynamic_update_slice_in_dim(a, _to_bits(v), i, 0)
+
+        g_x = [_to_bits(g) if stacked(p) else None for g, p in zip(g_leaves, p_leaves)]
+        p_x = [_to_bits(p) if stacked(p) else None for p in p_leaves]
+
+        def body(i, s_c):
             args = [
-                wide(take(d, i), p) if stacked(p) else None
-                for d, p in zip(d_c, p_leaves)
+                None if g is None else wide(take(g, i), p)
+                for g, p in zip(g_x, p_leaves)
             ]
-            for t, s in zip(t_leaves, s_c):
-                if not stacked(t):
-                    args.append(None)
-                elif isinstance(s, BlockQuantized):
-                    nb = s.scales.size // length
-                    sc = take(s.scales.reshape(length, nb), i).reshape(nb)
-                    args.append(
-                        codec.decode_leaf(t, BlockQuantized(take(s.codes, i), sc))
-                    )
-                else:
-                    args.append(codec.decode_leaf(t, take(s, i)))
             args += [
-                wide(take(b, i), p) if stacked(p) else None
-                for b, p in zip(p_bits, p_leaves)
+                None if s is None else codec.decode_leaf(t, take(s, i))
+                for s, t in zip(s_c, t_leaves)
+            ]
+            args += [
+                None if x is None else wide(take(x, i), p)
+                for x, p in zip(p_x, p_leaves)
             ]
             args += [None] * len(e_leaves)
             out = _chunked.evaluate_slice(
                 jaxpr, consts, args, env, stacked, lambda sh: (1, *sh[1:])
             )
-            for j, p in enumerate(p_leaves):
-                if not stacked(p):
-                    continue
-                offset = i.astype(jnp.uint32) * jnp.uint32(rows_p[j] % 2**32)
-                c = None if c_c[j] is None else take(c_c[j], i)
-                d, c_new = _write(
-                    take(p_bits[j], i),
-                    out[j],
-                    c,
-                    codec.rounding,
-                    codec.seed,
-                    count,
-                    2 * j,
-                    offset,
-                )
-                d_c[j] = put(d_c[j], d, i)
-                if c_new is not None:
-                    c_c[j] = put(c_c[j], c_new, i)
-            for j, (t, k) in enumerate(zip(t_leaves, kinds)):
-                if not stacked(t):
-                    continue
-                offset = i.astype(jnp.uint32) * jnp.uint32(rows[j] % 2**32)
-                x = codec.encode_leaf(out[n_p + j], k, count, 2 * j + 1, offset)
-                s = s_c[j]
-                if isinstance(s, BlockQuantized):
-                    nb = s.scales.size // length
-                    sc = put(s.scales.reshape(length, nb), x.scales[None], i)
-                    s_c[j] = BlockQuantized(put(s.codes, x.codes, i), sc.reshape(-1))
-                else:
-                    s_c[j] = put(s, x, i)
-            return d_c, s_c, c_c
+            new = list(s_c)
+            for j, k in enumerate(kinds):
+                if s_c[j] is not None:
+                    offset = i.astype(jnp.uint32) * jnp.uint32(rows[j] % 2**32)
+                    x = codec.encode_leaf(out[n_p + j], k, count, 2 * j + 1, offset)
+                    new[j] = put(s_c[j], x, i)
+            return new
 
-        init = (
-            [_to_bits(g) if stacked(p) else None for g, p in zip(g_leaves, p_leaves)],
-            [_to_bits(s) if stacked(t) else None for s, t in zip(s_leaves, t_leaves)],
-            [_to_bits(c) if stacked(p) else None for c, p in zip(c_leaves, p_leaves)],
-        )
-        d_c, s_c, c_c = jax.tree.map(
-            _from_bits, jax.lax.fori_loop(0, length, body, init)
-        )
-        d_out, c_out, s_out = [], [], []
-        for j, p in enumerate(p_leaves):
-            if stacked(p):
-                d_out.append(d_c[j])
-                c_out.append(c_c[j])
-            else:
-                d, c = _write(
-                    p, whole[j], c_leaves[j], codec.rounding, codec.seed, count, 2 * j
-                )
-                d_out.append(d)
-                c_out.append(c)
-        for j, (t, k) in enumerate(zip(t_leaves, kinds)):
-            if stacked(t):
-                s_out.append(s_c[j])
+        s_x = [by_layer(s) if stacked(t) else None for s, t in zip(s_leaves, t_leaves)]
+        s_x = jax.lax.fori_loop(0, length, body, s_x)
+        s_out = []
+        for j, k in enumerate(kinds):
+            s = s_x[j]
+            if isinstance(s, BlockQuantized):
+                s_out.append(BlockQuantized(s.codes, s.scales.reshape(-1)))
+            elif s is not None:
+                s_out.append(_from_bits(s))
             else:
                 s_out.append(codec.encode_leaf(whole[n_p + j], k, count, 2 * j + 1))
+        d_out, c_out = [], []
+        for j, p in enumerate(p_leaves):
+            d, c = _write(
+                p, whole[j], c_leaves[j], codec.rounding, codec.seed, count, 2 * j
+            )
+            d_out.append(d)
+            c_out.append(c)
         return d_out, s_out, c_out
 
-    rows_p = [int(np.prod(p.shape[1:])) for p in p_leaves]
     args = (g_leaves, s_leaves, c_leaves, p_leaves, e_leaves)
     try:
         jax.eval_shape(run, *args)
