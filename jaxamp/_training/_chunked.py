@@ -20,7 +20,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+
 from .. import _compat
+from ._rounding import BlockQuantized
 
 # Primitives whose every output element depends only on the same element of
 # each operand (operands of equal shape, or scalars).
@@ -189,3 +193,58 @@ def stacked_length(shapes: Sequence[tuple]) -> int | None:
     weights stacked for ``lax.scan``), or None (none, or several)."""
     lengths = {s[0] for s in shapes if len(s) >= 3}
     return lengths.pop() if len(lengths) == 1 else None
+
+
+# Slicing stacked buffers by layer. Where the backend widens bfloat16 slices
+# (XLA:CPU converts the whole buffer to float32 around each one,
+# ``_compat.bf16_slices_widen``), bfloat16 buffers are sliced as uint16 views.
+_BITS = jnp.uint16
+
+
+def to_bits(x: Any) -> Any:
+    """A bfloat16 array's uint16 view where the backend widens bfloat16
+    slices; anything else unchanged."""
+    if getattr(x, "dtype", None) == jnp.bfloat16 and _compat.bf16_slices_widen():
+        return jax.lax.bitcast_convert_type(x, _BITS)
+    return x
+
+
+def from_bits(x: Any) -> Any:
+    """The bfloat16 array of a uint16 view; anything else unchanged."""
+    if getattr(x, "dtype", None) == _BITS:
+        return jax.lax.bitcast_convert_type(x, jnp.bfloat16)
+    return x
+
+
+def by_layer(s: Any, length: int) -> Any:
+    """A stored stacked buffer laid out for :func:`take`: int8 scales as
+    ``(length, blocks per layer)``, bfloat16 as :func:`to_bits`."""
+    if isinstance(s, BlockQuantized):
+        return BlockQuantized(s.codes, s.scales.reshape(length, -1))
+    return to_bits(s)
+
+
+def from_layers(s: Any) -> Any:
+    """The inverse of :func:`by_layer` (None stays None)."""
+    if isinstance(s, BlockQuantized):
+        return BlockQuantized(s.codes, s.scales.reshape(-1))
+    return from_bits(s)
+
+
+def take(a: Any, i: Any) -> Any:
+    """Layer ``i`` of a :func:`by_layer` buffer, its leading axis of 1 kept."""
+    if isinstance(a, BlockQuantized):
+        codes = jax.lax.dynamic_slice_in_dim(a.codes, i, 1, 0)
+        return BlockQuantized(
+            codes, jax.lax.dynamic_index_in_dim(a.scales, i, 0, False)
+        )
+    return from_bits(jax.lax.dynamic_slice_in_dim(a, i, 1, 0))
+
+
+def put(a: Any, v: Any, i: Any) -> Any:
+    """``a`` (a :func:`by_layer` buffer) with layer ``i`` replaced by ``v``."""
+    if isinstance(a, BlockQuantized):
+        codes = jax.lax.dynamic_update_slice_in_dim(a.codes, v.codes, i, 0)
+        scales = jax.lax.dynamic_update_index_in_dim(a.scales, v.scales, i, 0)
+        return BlockQuantized(codes, scales)
+    return jax.lax.dynamic_update_slice_in_dim(a, to_bits(v), i, 0)

@@ -161,7 +161,13 @@ def low_precision_optimizer(
             unless ``rounding="nearest"``), ``"int8"`` (block-wise absmax codes
             on bitsandbytes' dynamic map, a float32 scale per ``block_size``
             elements; Dettmers et al. 2022; linear codes zero small second
-            moments, benchmarks/RESULTS_MEMORY.md), or None (unchanged).
+            moments, benchmarks/RESULTS_MEMORY.md), or None (unchanged). With
+            ``"int8"``, the state of leaves stacked on a layers axis (the
+            leading axis of the rank-3 bfloat16 parameters, what ``lax.scan``
+            slices) is written one layer at a time in place, so the step holds
+            float32 moments of one layer only (same bits as a whole-leaf
+            update; an inner optimizer that is not elementwise on those
+            leaves, such as Adafactor, is updated whole).
         seed: int >= 0, seed of the rounding bits.
         min_quantized_size: with ``"int8"``, buffers with fewer elements (of the
             global shape, independent of the mesh) are stored in bfloat16, as
@@ -365,45 +371,26 @@ def _exact_step(p32: jax.Array, new: jax.Array) -> jax.Array:
     return d
 
 
-_BITS = jnp.uint16
+class _Layout(NamedTuple):
+    """The leaves of one update, flattened, and which are stacked."""
+
+    length: int  # the stacked (layers) axis
+    stacked: Any  # aval -> bool
+    pdef: Any
+    tdef: Any
+    edef: Any
+    p: list  # parameters
+    g: list  # gradients
+    t: list  # float32 state template
+    s: list  # stored state
+    c: list  # Kahan compensation (or Nones)
+    e: list  # extra arguments
+    kinds: list  # the plan's kind per state leaf
 
 
-def _to_bits(x):
-    """A bfloat16 array's uint16 view where the backend widens bfloat16
-    slices (``_compat.bf16_slices_widen``); other leaves unchanged."""
-    if _is_bf16(x) and _compat.bf16_slices_widen():
-        return jax.lax.bitcast_convert_type(x, _BITS)
-    return x
-
-
-def _from_bits(x):
-    """The bfloat16 array of a uint16 view (other leaves unchanged)."""
-    if hasattr(x, "dtype") and x.dtype == _BITS:
-        return jax.lax.bitcast_convert_type(x, jnp.bfloat16)
-    return x
-
-
-def _update_in_slices(inner, codec, updates, state, params, extra, template, plan):
-    """:func:`low_precision_optimizer`'s update with the state of leaves
-    stacked on a layers axis written one slice (layer) at a time, in place.
-
-    The inner update's jaxpr is evaluated on whole arrays for its scalars (the
-    global norm of gradient clipping, counts, schedules), for the leaves of
-    other shapes and for the updates: elementwise in the decoded old state,
-    which XLA fuses into them (no float32 moments materialised). The new
-    state of the stacked leaves, whose int8 encoding needs each block's
-    maximum of the new float32 moments, is computed in a ``fori_loop`` over
-    the layers: one layer of the state decoded, the inner update's
-    elementwise part run on it, encoded and written back into the donated
-    state. So float32 moments exist for one layer at a time, never for a
-    whole stacked leaf. The bits are those of the whole-leaf update (same
-    operations per element; rounding bits from the global element index).
-
-    Returns:
-        ``(updates, LowPrecisionState)``, or None when there is no stacked
-        axis or the inner update is not elementwise on the stacked leaves
-        (:class:`_chunked.Unchunkable`); the caller then updates whole leaves.
-    """
+def _layout(codec, updates, state, params, extra, template, plan) -> _Layout | None:
+    """The update's leaves, or None where no leaf is stacked or a stacked leaf
+    cannot be sliced (int8 blocks across layers, a gradient in another dtype)."""
     p_leaves, pdef = jax.tree_util.tree_flatten(params)
     length = _chunked.stacked_length([p.shape for p in p_leaves if _is_bf16(p)])
     if length is None:
@@ -417,7 +404,6 @@ def _update_in_slices(inner, codec, updates, state, params, extra, template, pla
     shapes -= {jnp.shape(p) for p in p_leaves if not _is_bf16(p)}
     stacked = _chunked.is_stacked(shapes)
     t_leaves, tdef = jax.tree_util.tree_flatten(template)
-    kinds = jax.tree_util.tree_leaves(plan)
     e_leaves, edef = jax.tree_util.tree_flatten(extra)
     try:
         g_leaves = pdef.flatten_up_to(updates)
@@ -426,137 +412,169 @@ def _update_in_slices(inner, codec, updates, state, params, extra, template, pla
         return None
     comp = state.compensation
     c_leaves = [None] * len(p_leaves) if comp is None else pdef.flatten_up_to(comp)
-    rows = [int(np.prod(t.shape[1:])) for t in t_leaves]
+    kinds = jax.tree_util.tree_leaves(plan)
     if any(stacked(e) for e in e_leaves) or any(
-        stacked(t) and k == "int8" and r % codec.block_size
-        for t, k, r in zip(t_leaves, kinds, rows)
+        stacked(t) and k == "int8" and (t.size // length) % codec.block_size
+        for t, k in zip(t_leaves, kinds)
     ):
         return None
     if any(stacked(g) and g.dtype != p.dtype for g, p in zip(g_leaves, p_leaves)):
         return None
-    n_p, n_t = len(p_leaves), len(t_leaves)
+    return _Layout(
+        length,
+        stacked,
+        pdef,
+        tdef,
+        edef,
+        p_leaves,
+        g_leaves,
+        t_leaves,
+        s_leaves,
+        c_leaves,
+        e_leaves,
+        kinds,
+    )
+
+
+def _wide(x, p):
+    return x.astype(jnp.float32) if _is_bf16(p) else x
+
+
+def _inner_jaxpr(inner, lay: _Layout):
+    """The jaxpr of ``inner.update`` on the flat float32 leaves (gradients,
+    state, parameters, extra arguments), or None where it cannot be traced
+    flat or a stacked output is laid out otherwise than its input."""
+    n_p, n_t = len(lay.p), len(lay.t)
 
     def flat_update(*flat):
-        g = pdef.unflatten(flat[:n_p])
-        st = tdef.unflatten(flat[n_p : n_p + n_t])
-        p = pdef.unflatten(flat[n_p + n_t : 2 * n_p + n_t])
-        e = edef.unflatten(flat[2 * n_p + n_t :])
+        g = lay.pdef.unflatten(flat[:n_p])
+        st = lay.tdef.unflatten(flat[n_p : n_p + n_t])
+        p = lay.pdef.unflatten(flat[n_p + n_t : 2 * n_p + n_t])
+        e = lay.edef.unflatten(flat[2 * n_p + n_t :])
         u, new = inner.update(g, st, p, **e)
-        return pdef.flatten_up_to(u) + tdef.flatten_up_to(new)
+        return lay.pdef.flatten_up_to(u) + lay.tdef.flatten_up_to(new)
 
-    wide = lambda x, p: x.astype(jnp.float32) if _is_bf16(p) else x  # noqa: E731
     spec = lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))  # noqa: E731
     try:
         closed = jax.make_jaxpr(flat_update)(
-            *[spec(wide(g, p)) for g, p in zip(g_leaves, p_leaves)],
-            *[spec(t) for t in t_leaves],
-            *[spec(wide(p, p)) for p in p_leaves],
-            *[spec(e) for e in e_leaves],
+            *[spec(_wide(g, p)) for g, p in zip(lay.g, lay.p)],
+            *[spec(t) for t in lay.t],
+            *[spec(_wide(p, p)) for p in lay.p],
+            *[spec(e) for e in lay.e],
         )
     except (TypeError, ValueError):
         return None
     jaxpr, consts = _compat.jaxpr_parts(closed)
-    out_avals = [v.aval for v in jaxpr.outvars]
-    if any(
-        stacked(p) and (a.shape != p.shape or (not _is_bf16(p) and a.dtype != p.dtype))
-        for a, p in zip(out_avals[:n_p], p_leaves)
-    ) or any(
-        stacked(t) and (a.shape != t.shape or a.dtype != t.dtype)
-        for a, t in zip(out_avals[n_p:], t_leaves)
-    ):
-        return None
-    count = state.count
+    outs = [v.aval for v in jaxpr.outvars]
+    bad_u = any(
+        lay.stacked(p)
+        and (a.shape != p.shape or (not _is_bf16(p) and a.dtype != p.dtype))
+        for a, p in zip(outs[:n_p], lay.p)
+    )
+    bad_s = any(
+        lay.stacked(t) and (a.shape != t.shape or a.dtype != t.dtype)
+        for a, t in zip(outs[n_p:], lay.t)
+    )
+    return None if bad_u or bad_s else (jaxpr, consts)
 
-    def run(g_leaves, s_leaves, c_leaves, p_leaves, e_leaves):
+
+def _stacked_state(codec, lay: _Layout, jaxpr, consts, env, count) -> list:
+    """The new stored state of the stacked leaves (None elsewhere), written
+    one layer at a time in a ``fori_loop``: a layer of the state decoded, the
+    inner update's elementwise part evaluated on the layer's slices
+    (:func:`_chunked.evaluate_slice`, its scalars from ``env``), encoded with
+    the whole leaf's rounding bits and written back in place."""
+    n_p, length = len(lay.p), lay.length
+    views = [
+        _chunked.to_bits(g) if lay.stacked(p) else None for g, p in zip(lay.g, lay.p)
+    ]
+    views += [None] * len(lay.t)
+    views += [_chunked.to_bits(p) if lay.stacked(p) else None for p in lay.p]
+    views += [None] * len(lay.e)
+    wides = lay.p + [None] * len(lay.t) + lay.p + [None] * len(lay.e)
+
+    def body(i, state):
+        args = [
+            None if v is None else _wide(_chunked.take(v, i), w)
+            for v, w in zip(views, wides)
+        ]
+        for j, (t, s) in enumerate(zip(lay.t, state)):
+            if s is not None:
+                args[n_p + j] = codec.decode_leaf(t, _chunked.take(s, i))
+        out = _chunked.evaluate_slice(
+            jaxpr, consts, args, env, lay.stacked, lambda sh: (1, *sh[1:])
+        )
+        new = list(state)
+        for j, k in enumerate(lay.kinds):
+            if state[j] is not None:
+                rows = lay.t[j].size // length
+                offset = i.astype(jnp.uint32) * jnp.uint32(rows % 2**32)
+                x = codec.encode_leaf(out[n_p + j], k, count, 2 * j + 1, offset)
+                new[j] = _chunked.put(state[j], x, i)
+        return new
+
+    state = [
+        _chunked.by_layer(s, length) if lay.stacked(t) else None
+        for s, t in zip(lay.s, lay.t)
+    ]
+    return [_chunked.from_layers(s) for s in jax.lax.fori_loop(0, length, body, state)]
+
+
+def _update_in_slices(inner, codec, updates, state, params, extra, template, plan):
+    """:func:`low_precision_optimizer`'s update with the state of leaves
+    stacked on a layers axis written one slice (layer) at a time, in place.
+
+    The inner update's jaxpr is evaluated on whole arrays for its scalars (the
+    global norm of gradient clipping, counts, schedules), for the leaves of
+    other shapes and for the updates: elementwise in the decoded old state,
+    which XLA fuses into them (no float32 moments materialised). The new
+    state of the stacked leaves, whose int8 encoding needs each block's
+    maximum of the new float32 moments, is computed in a ``fori_loop`` over
+    the layers (:func:`_stacked_state`). So float32 moments exist for one
+    layer at a time, never for a whole stacked leaf. The bits are those of
+    the whole-leaf update (same operations per element; rounding bits from
+    the global element index).
+
+    Returns:
+        ``(updates, LowPrecisionState)``, or None when there is no stacked
+        axis or the inner update is not elementwise on the stacked leaves
+        (:class:`_chunked.Unchunkable`); the caller then updates whole leaves.
+    """
+    lay = _layout(codec, updates, state, params, extra, template, plan)
+    traced = None if lay is None else _inner_jaxpr(inner, lay)
+    if traced is None:
+        return None
+    jaxpr, consts = traced
+    n_p, count = len(lay.p), state.count
+
+    def run(g_leaves, s_leaves, p_leaves, e_leaves):
         whole_in = [
-            *[wide(g, p) for g, p in zip(g_leaves, p_leaves)],
-            *[codec.decode_leaf(t, s) for t, s in zip(t_leaves, s_leaves)],
-            *[wide(p, p) for p in p_leaves],
+            *[_wide(g, p) for g, p in zip(g_leaves, p_leaves)],
+            *[codec.decode_leaf(t, s) for t, s in zip(lay.t, s_leaves)],
+            *[_wide(p, p) for p in p_leaves],
             *e_leaves,
         ]
         env = {}
         whole = _chunked.evaluate_whole(jaxpr, consts, whole_in, env)
+        lay_now = lay._replace(g=g_leaves, s=s_leaves, p=p_leaves, e=e_leaves)
+        stacked = _stacked_state(codec, lay_now, jaxpr, consts, env, count)
+        s_out = [
+            codec.encode_leaf(whole[n_p + j], k, count, 2 * j + 1) if s is None else s
+            for j, (s, k) in enumerate(zip(stacked, lay.kinds))
+        ]
+        outs = [
+            _write(p, whole[j], c, codec.rounding, codec.seed, count, 2 * j)
+            for j, (p, c) in enumerate(zip(p_leaves, lay.c))
+        ]
+        return [o[0] for o in outs], s_out, [o[1] for o in outs]
 
-        # Stacked inputs as (length, ...) arrays, int8 scales as (length,
-        # blocks per layer). Where the backend widens bfloat16 slices (XLA:CPU
-        # converts the whole buffer to float32 around each one), slices are
-        # taken from uint16 views of bfloat16 buffers.
-        def by_layer(s):
-            if isinstance(s, BlockQuantized):
-                return BlockQuantized(s.codes, s.scales.reshape(length, -1))
-            return _to_bits(s)
-
-        def take(a, i):  # layer i, its leading axis of 1 kept
-            if a is None:
-                return None
-            if isinstance(a, BlockQuantized):
-                codes = jax.lax.dynamic_slice_in_dim(a.codes, i, 1, 0)
-                scales = jax.lax.dynamic_index_in_dim(a.scales, i, 0, False)
-                return BlockQuantized(codes, scales)
-            return _from_bits(jax.lax.dynamic_slice_in_dim(a, i, 1, 0))
-
-        def put(a, v, i):
-            if isinstance(a, BlockQuantized):
-                codes = jax.lax.dynamic_update_slice_in_dim(a.codes, v.codes, i, 0)
-                scales = jax.lax.dynamic_update_index_in_dim(a.scales, v.scales, i, 0)
-                return BlockQuantized(codes, scales)
-            return jax.lax.dynamic_update_slice_in_dim(a, _to_bits(v), i, 0)
-
-        g_x = [_to_bits(g) if stacked(p) else None for g, p in zip(g_leaves, p_leaves)]
-        p_x = [_to_bits(p) if stacked(p) else None for p in p_leaves]
-
-        def body(i, s_c):
-            args = [
-                None if g is None else wide(take(g, i), p)
-                for g, p in zip(g_x, p_leaves)
-            ]
-            args += [
-                None if s is None else codec.decode_leaf(t, take(s, i))
-                for s, t in zip(s_c, t_leaves)
-            ]
-            args += [
-                None if x is None else wide(take(x, i), p)
-                for x, p in zip(p_x, p_leaves)
-            ]
-            args += [None] * len(e_leaves)
-            out = _chunked.evaluate_slice(
-                jaxpr, consts, args, env, stacked, lambda sh: (1, *sh[1:])
-            )
-            new = list(s_c)
-            for j, k in enumerate(kinds):
-                if s_c[j] is not None:
-                    offset = i.astype(jnp.uint32) * jnp.uint32(rows[j] % 2**32)
-                    x = codec.encode_leaf(out[n_p + j], k, count, 2 * j + 1, offset)
-                    new[j] = put(s_c[j], x, i)
-            return new
-
-        s_x = [by_layer(s) if stacked(t) else None for s, t in zip(s_leaves, t_leaves)]
-        s_x = jax.lax.fori_loop(0, length, body, s_x)
-        s_out = []
-        for j, k in enumerate(kinds):
-            s = s_x[j]
-            if isinstance(s, BlockQuantized):
-                s_out.append(BlockQuantized(s.codes, s.scales.reshape(-1)))
-            elif s is not None:
-                s_out.append(_from_bits(s))
-            else:
-                s_out.append(codec.encode_leaf(whole[n_p + j], k, count, 2 * j + 1))
-        d_out, c_out = [], []
-        for j, p in enumerate(p_leaves):
-            d, c = _write(
-                p, whole[j], c_leaves[j], codec.rounding, codec.seed, count, 2 * j
-            )
-            d_out.append(d)
-            c_out.append(c)
-        return d_out, s_out, c_out
-
-    args = (g_leaves, s_leaves, c_leaves, p_leaves, e_leaves)
+    args = (lay.g, lay.s, lay.p, lay.e)
     try:
         jax.eval_shape(run, *args)
     except _chunked.Unchunkable:
         return None
     d_out, s_out, c_out = run(*args)
-    new_comp = pdef.unflatten(c_out) if codec.rounding == "kahan" else None
-    return pdef.unflatten(d_out), LowPrecisionState(
-        count + 1, tdef.unflatten(s_out), new_comp
+    new_comp = lay.pdef.unflatten(c_out) if codec.rounding == "kahan" else None
+    return lay.pdef.unflatten(d_out), LowPrecisionState(
+        count + 1, lay.tdef.unflatten(s_out), new_comp
     )
