@@ -602,3 +602,22 @@ def test_slices_fall_back_for_non_elementwise_updates():
     a = _run_steps(_with_slices(tx, "always"), params, 2)
     b = _run_steps(_with_slices(tx, "never"), params, 2)
     assert _leaves_equal(a, b)
+
+
+@pytest.mark.parametrize("spec", [P(None, "fsdp"), P(None, None, "fsdp")])
+def test_layerwise_int8_state_is_mesh_invariant(spec):
+    # The layer loop slices the stacked axis; shards along the other axes give
+    # the unsharded run's bits (rounding bits and int8 blocks from the global
+    # index).
+    mesh = Mesh(np.array(jax.devices()), ("fsdp",))
+    params = {"w": _stacked_params()["w"][:, :, :64].repeat(4, axis=2)}
+    x = {"w": jnp.full((1, 1), 0.7)}
+    tx = jaxamp.low_precision_optimizer(optax.adamw(1e-2), state_dtype="int8")
+    shard = {"w": NamedSharding(mesh, spec)}
+    ref, ref_state = _train(tx, params, x, 4, loss=_elementwise_loss)
+    out, out_state = _train(
+        tx, jax.device_put(params, shard), x, 4, shard, loss=_elementwise_loss
+    )
+    assert len(out["w"].addressable_shards) == 8
+    assert _leaves_equal(ref, out) and _leaves_equal(ref_state, out_state)
+    assert not _leaves_equal(ref, params)
