@@ -30,6 +30,19 @@ variants trained round-robin in this process (one step of each in turn).
 
 ``--map-check N``: the int8 map choice, AdamW's update direction from linear
 and dynamic-map int8 moments after N float32 steps.
+
+``--slope``: the step's peak per added parameter (compile only). For each
+variant of ``SLOPE_VARIANTS`` (a table of named recipes: amp or hand-written
+bfloat16 JAX, the parameter dtype, the optimizer) and each regime of
+``REGIMES`` (parameter-dominated: seq 256, batch 1; activation-dominated:
+seq 1024, batch 8), XLA's memory analysis (arguments + outputs - aliased +
+temp) of three jitted programs at ``--slope-layers`` (4 and 8) layers of
+width ``--width``: the whole step (parameters and optimizer state donated),
+the gradient (``value_and_grad``) and the update (``update`` and
+``optax.apply_updates``, parameters, state and gradients donated). The slope
+between the two layer counts divided by the parameters added is the step's
+bytes per parameter; the step's per-layer slope and its fixed part give the
+layers of that width that fit 16 and 80 GiB.
 """
 
 from __future__ import annotations
@@ -162,6 +175,143 @@ def fit(v: Variant, cfg: tc.Config, layers: tuple[int, int]) -> dict:
         "row": b,
         "params_per_layer": params_per_layer,
     }
+
+
+@dataclasses.dataclass(frozen=True)
+class SlopeVariant:
+    """One recipe of the ``--slope`` table.
+
+    Attributes:
+        name: the table's name.
+        param_dtype: ``"float32"`` or ``"bfloat16"``: the stored parameters.
+        optimizer: ``optimizer() -> GradientTransformation``.
+        amp: run the loss under ``jaxamp.amp`` (bfloat16 compute); False: the
+            loss as written, on parameters of ``param_dtype`` (hand-written
+            bfloat16 JAX when that is bfloat16).
+    """
+
+    name: str
+    param_dtype: str
+    optimizer: Callable
+    amp: bool = True
+
+
+def _adamw():
+    return optax.adamw(1e-3, weight_decay=0.1)
+
+
+def _low(**kw):
+    return lambda: jaxamp.low_precision_optimizer(_adamw(), **kw)
+
+
+SLOPE_VARIANTS = [
+    SlopeVariant("amp, f32 master, optax.adamw", "float32", _adamw),
+    SlopeVariant("amp, bf16 params, plain optax.adamw", "bfloat16", _adamw),
+    SlopeVariant("bf16 JAX (no amp), plain optax.adamw", "bfloat16", _adamw, False),
+    SlopeVariant("amp, bf16 params + SR, bf16 state", "bfloat16", _low()),
+    SlopeVariant(
+        "amp, bf16 params + SR, int8 state", "bfloat16", _low(state_dtype="int8")
+    ),
+    SlopeVariant(
+        "amp, bf16 params + Kahan, bf16 state", "bfloat16", _low(rounding="kahan")
+    ),
+]
+
+# name -> (seq_len, batch_size)
+REGIMES = {"parameter-dominated": (256, 1), "activation-dominated": (1024, 8)}
+
+
+def _peak(compiled) -> int:
+    m = compiled.memory_analysis()
+    return (
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        - m.alias_size_in_bytes
+        + m.temp_size_in_bytes
+    )
+
+
+def phase_peaks(v: SlopeVariant, cfg: tc.Config) -> dict:
+    """XLA's peak bytes of the donated step, the gradient and the update of
+    ``v`` on the GPT of ``cfg`` (compile only), and its parameter count."""
+    loss = lambda p, x, y: tc.loss_fn(p, x, y, cfg.heads)  # noqa: E731
+    if v.amp:
+        loss = jaxamp.amp(loss, compute_dtype=jnp.bfloat16)
+    opt = v.optimizer()
+    params = jax.eval_shape(
+        lambda: tc.initial_params(dataclasses.replace(cfg, param_dtype=v.param_dtype))
+    )
+    with jax.numpy_dtype_promotion("standard"):
+        state = jax.eval_shape(opt.init, params)
+    x = jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len), jnp.int32)
+
+    def update(params, state, grads):
+        with jax.numpy_dtype_promotion("standard"):  # optax's Adam
+            updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    def step(params, state, x, y):
+        value, grads = jax.value_and_grad(loss)(params, x, y)
+        return *update(params, state, grads), value
+
+    grads = jax.eval_shape(jax.grad(loss), params, x, x)
+    compile_ = lambda f, donate, *a: (
+        jax.jit(f, donate_argnums=donate).lower(*a).compile()
+    )  # noqa: E731
+    return {
+        "step": _peak(compile_(step, (0, 1), params, state, x, x)),
+        "grad": _peak(compile_(jax.value_and_grad(loss), (), params, x, x)),
+        "update": _peak(compile_(update, (0, 1, 2), params, state, grads)),
+        "n": sum(a.size for a in jax.tree.leaves(params)),
+    }
+
+
+def slope(v: SlopeVariant, cfg: tc.Config, layers: tuple[int, int]) -> dict:
+    """Bytes per added parameter of each phase between ``layers[0]`` and
+    ``layers[1]`` layers, and the layers that fit 16 and 80 GiB."""
+    a, b = (phase_peaks(v, dataclasses.replace(cfg, layers=n)) for n in layers)
+    dn = b["n"] - a["n"]
+    out = {k: (b[k] - a[k]) / dn for k in ("step", "grad", "update")}
+    per_layer = (b["step"] - a["step"]) / (layers[1] - layers[0])
+    fixed = a["step"] - per_layer * layers[0]
+    out["fits"] = {g: int((g * GIB - fixed) // per_layer) for g in (16, 80)}
+    out["per_layer"], out["fixed"] = per_layer, fixed
+    return out
+
+
+def slope_report(rows: dict, args) -> str:
+    """The ``--slope`` tables: one per regime, and each variant's layers in
+    16 GiB relative to the f32-master row."""
+    lines = [
+        f"## The step's peak per added parameter (d_model {args.width}, layers "
+        f"{args.slope_layers[0]} and {args.slope_layers[1]}, AdamW; compile only)",
+        "",
+        "Bytes per parameter: slope of XLA's memory analysis (arguments + outputs "
+        "- aliased + temp) between the two layer counts, divided by the parameters "
+        "added. Step: the jitted step, parameters and optimizer state donated; "
+        "grad: `value_and_grad` alone; update: `update` + `optax.apply_updates`, "
+        "parameters, state and gradients donated. Layers in 16/80 GiB: from the "
+        "step's per-layer slope and fixed part; ratio: layers in 16 GiB over the "
+        "first row's.",
+    ]
+    for regime, res in rows.items():
+        seq, batch = REGIMES[regime]
+        lines += [
+            "",
+            f"### {regime} (seq {seq}, batch {batch})",
+            "",
+            "| variant | step B/param | grad B/param | update B/param | MiB per layer "
+            "| layers in 16 GiB | layers in 80 GiB | ratio (16 GiB) |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        ref = next(iter(res.values()))["fits"][16]
+        for name, r in res.items():
+            lines.append(
+                f"| {name} | {r['step']:.2f} | {r['grad']:.2f} | {r['update']:.2f} "
+                f"| {r['per_layer'] / 2**20:.1f} | {r['fits'][16]} | {r['fits'][80]} "
+                f"| {r['fits'][16] / ref:.2f}x |"
+            )
+    return "\n".join(lines) + "\n"
 
 
 def train_all(chosen: list[Variant], cfg: tc.Config, data) -> dict:
@@ -329,7 +479,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", nargs="*", default=None, help="names (default all)")
     p.add_argument("--map-check", type=int, default=0, help="steps (0: skip)")
     p.add_argument("--out", default=None, help="write the Markdown here")
+    p.add_argument(
+        "--slope", action="store_true", help="only the per-parameter slope tables"
+    )
+    p.add_argument("--slope-layers", type=int, nargs=2, default=(4, 8))
+    p.add_argument("--regimes", nargs="*", default=list(REGIMES), help="--slope")
     args = p.parse_args(argv)
+    if args.slope:
+        chosen = [
+            v for v in SLOPE_VARIANTS if not args.variants or v.name in args.variants
+        ]
+        rows = {}
+        for regime in args.regimes:
+            seq, batch = REGIMES[regime]
+            cfg = tc.Config(
+                d_model=args.width, heads=args.heads, seq_len=seq, batch_size=batch
+            )
+            rows[regime] = {}
+            for v in chosen:
+                rows[regime][v.name] = slope(v, cfg, tuple(args.slope_layers))
+                print(regime, v.name, rows[regime][v.name], flush=True)
+        text = slope_report(rows, args)
+        print(text)
+        if args.out:
+            Path(args.out).write_text(text)
+        return 0
     chosen = [v for v in VARIANTS if not args.variants or v.name in args.variants]
     big = tc.Config(
         d_model=args.width,

@@ -115,6 +115,15 @@ def eqn_context(eqn: Any, name_stack_prefix: Any = None):
     return stack
 
 
+def bf16_slices_widen() -> bool:
+    """Whether the backend widens a bfloat16 ``dynamic_slice`` /
+    ``dynamic_update_slice`` to float32 (XLA:CPU in jaxlib 0.10 / 0.11: its
+    float normalization converts the whole operand, a float32 copy of a
+    stacked buffer; GPUs and TPUs slice bfloat16 in place). Callers slice a
+    uint16 view instead there."""
+    return jax.default_backend() == "cpu"
+
+
 def runnable_product(
     prim: Any, invals: Sequence[Any], params: dict, outs: Any, transposed: bool
 ) -> Any:

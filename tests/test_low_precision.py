@@ -507,3 +507,117 @@ def test_dynamic_loss_scaling_overflow_is_a_skipped_step():
     assert int(s2.skipped_steps) == 1 and int(sc2.total_resets) == 1
     assert _leaves_equal(p2, p1) and _dtypes(p2) == [BF16, BF16]
     assert _leaves_equal(s2.inner_state, s1.inner_state)
+
+
+# --- Stacked leaves updated one slice at a time (jaxamp/_training/_chunked.py)
+
+
+def _with_slices(tx, slices, rounding="stochastic", state="bfloat16"):
+    from jaxamp._training import _low_precision as lp
+
+    codec = lp._Codec(rounding, state, 3, 4096, 256, slices)
+    return lp._wrap(optax.with_extra_args_support(tx), codec)
+
+
+def _stacked_params():
+    k = jax.random.split(jax.random.key(1), 3)
+    return {
+        "w": (jax.random.normal(k[0], (3, 64, 96)) * 0.1).astype(jnp.bfloat16),
+        "ln": jnp.ones((3, 64), jnp.bfloat16),
+        "emb": (jax.random.normal(k[1], (50, 64)) * 0.1).astype(jnp.bfloat16),
+        "f32": jax.random.normal(k[2], (3, 8, 4)),
+    }
+
+
+def _run_steps(tx, params, steps=3):
+    @jax.jit
+    def step(p, s, i):
+        g = jax.tree.map(
+            lambda x: (jnp.sin(x.astype(F32) * (i + 1.0)) * 1e-2).astype(x.dtype), p
+        )
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    s = tx.init(params)
+    for i in range(steps):
+        params, s = step(params, s, jnp.float32(i))
+    return params, s
+
+
+@pytest.mark.parametrize(
+    "rounding,state",
+    [
+        ("stochastic", "bfloat16"),
+        ("stochastic", "int8"),
+        ("kahan", "int8"),
+        ("nearest", None),
+    ],
+)
+def test_slices_bit_identical_to_whole_leaves(rounding, state):
+    # A schedule and weight decay: parameters, updates and every state buffer
+    # match bit for bit.
+    tx = optax.adamw(optax.linear_schedule(1e-2, 1e-3, 10), weight_decay=0.1)
+    params = _stacked_params()
+    a = _run_steps(_with_slices(tx, "always", rounding, state), params)
+    b = _run_steps(_with_slices(tx, "never", rounding, state), params)
+    assert _leaves_equal(a, b)
+    assert not _leaves_equal(a[0], params)  # it trained
+
+
+def test_slices_read_clipping_norm_from_whole_leaves():
+    # Clipping's global norm is a reduction over all leaves: the slice update
+    # takes it from the whole-leaf evaluation. XLA may sum in another order in
+    # the two programs, so the parameters agree to one bfloat16 step where
+    # they differ at all.
+    tx = optax.chain(optax.clip_by_global_norm(0.05), optax.adamw(1e-2, 0.1))
+    params = _stacked_params()
+    a, _ = _run_steps(_with_slices(tx, "always"), params)
+    b, _ = _run_steps(_with_slices(tx, "never"), params)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        low = x.dtype == BF16
+        x, y = np.asarray(x, F32), np.asarray(y, F32)
+        np.testing.assert_allclose(x, y, rtol=2**-7, atol=1e-6)
+        assert not low or np.mean(x != y) < 0.01
+
+
+def _has_loop(tx, params):
+    s = tx.init(params)
+    jaxpr = jax.make_jaxpr(tx.update)(params, s, params)
+    return any(e.primitive.name in ("while", "scan") for e in jaxpr.jaxpr.eqns)
+
+
+def test_int8_state_updates_stacked_leaves_in_a_loop():
+    params = _stacked_params()
+    tx = optax.adamw(1e-3)
+    assert _has_loop(jaxamp.low_precision_optimizer(tx, state_dtype="int8"), params)
+    assert not _has_loop(jaxamp.low_precision_optimizer(tx), params)
+
+
+def test_slices_fall_back_for_non_elementwise_updates():
+    # Adafactor factors the moments of each leaf (reductions along the stacked
+    # leaf's own axes): no slice update, the whole-leaf one, same bits.
+    params = _stacked_params()
+    tx = optax.adafactor(1e-2, min_dim_size_to_factor=8)
+    assert not _has_loop(_with_slices(tx, "always"), params)
+    a = _run_steps(_with_slices(tx, "always"), params, 2)
+    b = _run_steps(_with_slices(tx, "never"), params, 2)
+    assert _leaves_equal(a, b)
+
+
+@pytest.mark.parametrize("spec", [P(None, "fsdp"), P(None, None, "fsdp")])
+def test_layerwise_int8_state_is_mesh_invariant(spec):
+    # The layer loop slices the stacked axis; shards along the other axes give
+    # the unsharded run's bits (rounding bits and int8 blocks from the global
+    # index).
+    mesh = Mesh(np.array(jax.devices()), ("fsdp",))
+    params = {"w": _stacked_params()["w"][:, :, :64].repeat(4, axis=2)}
+    x = {"w": jnp.full((1, 1), 0.7)}
+    tx = jaxamp.low_precision_optimizer(optax.adamw(1e-2), state_dtype="int8")
+    shard = {"w": NamedSharding(mesh, spec)}
+    ref, ref_state = _train(tx, params, x, 4, loss=_elementwise_loss)
+    out, out_state = _train(
+        tx, jax.device_put(params, shard), x, 4, shard, loss=_elementwise_loss
+    )
+    assert len(out["w"].addressable_shards) == 8
+    assert _leaves_equal(ref, out) and _leaves_equal(ref_state, out_state)
+    assert not _leaves_equal(ref, params)

@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from .. import _compat
+from . import _chunked
 from ._rounding import (
     BlockQuantized,
     dequantize_blockwise,
@@ -159,7 +161,13 @@ def low_precision_optimizer(
             unless ``rounding="nearest"``), ``"int8"`` (block-wise absmax codes
             on bitsandbytes' dynamic map, a float32 scale per ``block_size``
             elements; Dettmers et al. 2022; linear codes zero small second
-            moments, benchmarks/RESULTS_MEMORY.md), or None (unchanged).
+            moments, benchmarks/RESULTS_MEMORY.md), or None (unchanged). With
+            ``"int8"``, the state of leaves stacked on a layers axis (the
+            leading axis of the rank-3 bfloat16 parameters, what ``lax.scan``
+            slices) is written one layer at a time in place, so the step holds
+            float32 moments of one layer only (same bits as a whole-leaf
+            update; an inner optimizer that is not elementwise on those
+            leaves, such as Adafactor, is updated whole).
         seed: int >= 0, seed of the rounding bits.
         min_quantized_size: with ``"int8"``, buffers with fewer elements (of the
             global shape, independent of the mesh) are stored in bfloat16, as
@@ -195,37 +203,49 @@ class _Codec(NamedTuple):
     seed: int
     min_size: int
     block_size: int
+    # When stacked leaves are updated one slice at a time: "int8" (with int8
+    # state, whose decoded float32 moments would otherwise exist for whole
+    # leaves), "always" or "never" (the two are bit-identical; tests).
+    slices: str = "int8"
 
-    def state_round(self, x, step, stream):
+    def state_round(self, x, step, stream, offset=0):
         if self.rounding == "nearest":
             return round_nearest_bf16(x)
-        bits = noise_bits(x.shape, self.seed, step, stream)
+        bits = noise_bits(x.shape, self.seed, step, stream, offset)
         return round_stochastic_bf16(x, bits)
+
+    def encode_leaf(self, x, kind, step, stream, offset=0):
+        """One float32 state buffer (or a slice of rows of it starting at
+        flat index ``offset``) stored as ``kind`` says."""
+        if kind == "int8":
+            return quantize_blockwise(x, self.block_size)
+        if kind == "bfloat16":
+            return self.state_round(x, step, stream, offset)
+        return x
 
     def encode(self, state32, plan, step):
         """The float32 inner state stored as ``plan`` says (streams 2i + 1)."""
         leaves, sdef = jax.tree_util.tree_flatten(state32)
         kinds = jax.tree_util.tree_leaves(plan)
-        out = []
-        for i, (x, k) in enumerate(zip(leaves, kinds)):
-            if k == "int8":
-                out.append(quantize_blockwise(x, self.block_size))
-            elif k == "bfloat16":
-                out.append(self.state_round(x, step, 2 * i + 1))
-            else:
-                out.append(x)
+        out = [
+            self.encode_leaf(x, k, step, 2 * i + 1)
+            for i, (x, k) in enumerate(zip(leaves, kinds))
+        ]
         return jax.tree_util.tree_unflatten(sdef, out)
+
+    def decode_leaf(self, t, s):
+        """A stored buffer (or slice) in the dtype of template leaf ``t``."""
+        if isinstance(s, BlockQuantized):
+            return dequantize_blockwise(s, self.block_size).astype(t.dtype)
+        return s.astype(t.dtype) if hasattr(s, "astype") else s
 
     def decode(self, stored, template):
         """The stored inner state in ``template``'s dtypes."""
-
-        def leaf(t, s):
-            if isinstance(s, BlockQuantized):
-                return dequantize_blockwise(s, self.block_size).astype(t.dtype)
-            return s.astype(t.dtype) if hasattr(s, "astype") else s
-
         return jax.tree_util.tree_map(
-            leaf, template, stored, is_leaf=lambda x: isinstance(x, BlockQuantized)
+            self.decode_leaf,
+            template,
+            stored,
+            is_leaf=lambda x: isinstance(x, BlockQuantized),
         )
 
 
@@ -262,6 +282,14 @@ def _wrap(inner, codec: _Codec) -> optax.GradientTransformationExtraArgs:
                 "(call tx.update(grads, opt_state, params))."
             )
         p32, template, plan = layout(params)
+        if codec.slices == "always" or (
+            codec.slices == "int8" and codec.state_kind == "int8"
+        ):
+            out = _update_in_slices(
+                inner, codec, updates, state, params, extra, template, plan
+            )
+            if out is not None:
+                return out
         inner32 = codec.decode(state.inner_state, template)
         u32, new32 = inner.update(_to32(updates, params), inner32, p32, **extra)
         comp = state.compensation
@@ -295,11 +323,13 @@ def _check_params(params: PyTree) -> None:
             )
 
 
-def _write(p, u, c, rounding, seed, step, stream):
+def _write(p, u, c, rounding, seed, step, stream, offset=0):
     """The bfloat16 update of one parameter and its new Kahan compensation.
 
     Returns ``(d, c_new)`` with ``d`` bfloat16 such that ``p + d`` in bfloat16
     is the rounded new parameter; non-bfloat16 leaves return the inner update.
+    ``offset``: the flat index of ``p``'s first element when it is a slice of
+    rows of the parameter (the rounding bits are the whole parameter's).
     """
     if not _is_bf16(p) or u is None:
         return u, None
@@ -308,7 +338,8 @@ def _write(p, u, c, rounding, seed, step, stream):
     if rounding == "kahan":
         target = target + c.astype(jnp.float32)
     if rounding == "stochastic":
-        new = round_stochastic_bf16(target, noise_bits(p.shape, seed, step, stream))
+        bits = noise_bits(p.shape, seed, step, stream, offset)
+        new = round_stochastic_bf16(target, bits)
     else:
         new = round_nearest_bf16(target)
     d = _exact_step(p32, new)
@@ -338,3 +369,212 @@ def _exact_step(p32: jax.Array, new: jax.Array) -> jax.Array:
         hits = round_nearest_bf16(p32 + cand.astype(jnp.float32)) == new
         d = jnp.where(~ok & hits & jnp.isfinite(cand), cand, d)
     return d
+
+
+class _Layout(NamedTuple):
+    """The leaves of one update, flattened, and which are stacked."""
+
+    length: int  # the stacked (layers) axis
+    stacked: Any  # aval -> bool
+    pdef: Any
+    tdef: Any
+    edef: Any
+    p: list  # parameters
+    g: list  # gradients
+    t: list  # float32 state template
+    s: list  # stored state
+    c: list  # Kahan compensation (or Nones)
+    e: list  # extra arguments
+    kinds: list  # the plan's kind per state leaf
+
+
+def _layout(codec, updates, state, params, extra, template, plan) -> _Layout | None:
+    """The update's leaves, or None where no leaf is stacked or a stacked leaf
+    cannot be sliced (int8 blocks across layers, a gradient in another dtype)."""
+    p_leaves, pdef = jax.tree_util.tree_flatten(params)
+    length = _chunked.stacked_length([p.shape for p in p_leaves if _is_bf16(p)])
+    if length is None:
+        return None
+    # Float32 leaves keep their whole-leaf update (XLA may contract their
+    # float32 arithmetic differently inside a loop); a shape shared with one
+    # is not sliced.
+    shapes = {
+        p.shape for p in p_leaves if _is_bf16(p) and p.ndim and p.shape[0] == length
+    }
+    shapes -= {jnp.shape(p) for p in p_leaves if not _is_bf16(p)}
+    stacked = _chunked.is_stacked(shapes)
+    t_leaves, tdef = jax.tree_util.tree_flatten(template)
+    e_leaves, edef = jax.tree_util.tree_flatten(extra)
+    try:
+        g_leaves = pdef.flatten_up_to(updates)
+        s_leaves = tdef.flatten_up_to(state.inner_state)
+    except (TypeError, ValueError):
+        return None
+    comp = state.compensation
+    c_leaves = [None] * len(p_leaves) if comp is None else pdef.flatten_up_to(comp)
+    kinds = jax.tree_util.tree_leaves(plan)
+    if any(stacked(e) for e in e_leaves) or any(
+        stacked(t) and k == "int8" and (t.size // length) % codec.block_size
+        for t, k in zip(t_leaves, kinds)
+    ):
+        return None
+    if any(stacked(g) and g.dtype != p.dtype for g, p in zip(g_leaves, p_leaves)):
+        return None
+    return _Layout(
+        length,
+        stacked,
+        pdef,
+        tdef,
+        edef,
+        p_leaves,
+        g_leaves,
+        t_leaves,
+        s_leaves,
+        c_leaves,
+        e_leaves,
+        kinds,
+    )
+
+
+def _wide(x, p):
+    return x.astype(jnp.float32) if _is_bf16(p) else x
+
+
+def _inner_jaxpr(inner, lay: _Layout):
+    """The jaxpr of ``inner.update`` on the flat float32 leaves (gradients,
+    state, parameters, extra arguments), or None where it cannot be traced
+    flat or a stacked output is laid out otherwise than its input."""
+    n_p, n_t = len(lay.p), len(lay.t)
+
+    def flat_update(*flat):
+        g = lay.pdef.unflatten(flat[:n_p])
+        st = lay.tdef.unflatten(flat[n_p : n_p + n_t])
+        p = lay.pdef.unflatten(flat[n_p + n_t : 2 * n_p + n_t])
+        e = lay.edef.unflatten(flat[2 * n_p + n_t :])
+        u, new = inner.update(g, st, p, **e)
+        return lay.pdef.flatten_up_to(u) + lay.tdef.flatten_up_to(new)
+
+    spec = lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))  # noqa: E731
+    try:
+        closed = jax.make_jaxpr(flat_update)(
+            *[spec(_wide(g, p)) for g, p in zip(lay.g, lay.p)],
+            *[spec(t) for t in lay.t],
+            *[spec(_wide(p, p)) for p in lay.p],
+            *[spec(e) for e in lay.e],
+        )
+    except (TypeError, ValueError):
+        return None
+    jaxpr, consts = _compat.jaxpr_parts(closed)
+    outs = [v.aval for v in jaxpr.outvars]
+    bad_u = any(
+        lay.stacked(p)
+        and (a.shape != p.shape or (not _is_bf16(p) and a.dtype != p.dtype))
+        for a, p in zip(outs[:n_p], lay.p)
+    )
+    bad_s = any(
+        lay.stacked(t) and (a.shape != t.shape or a.dtype != t.dtype)
+        for a, t in zip(outs[n_p:], lay.t)
+    )
+    return None if bad_u or bad_s else (jaxpr, consts)
+
+
+def _stacked_state(codec, lay: _Layout, jaxpr, consts, env, count) -> list:
+    """The new stored state of the stacked leaves (None elsewhere), written
+    one layer at a time in a ``fori_loop``: a layer of the state decoded, the
+    inner update's elementwise part evaluated on the layer's slices
+    (:func:`_chunked.evaluate_slice`, its scalars from ``env``), encoded with
+    the whole leaf's rounding bits and written back in place."""
+    n_p, length = len(lay.p), lay.length
+    views = [
+        _chunked.to_bits(g) if lay.stacked(p) else None for g, p in zip(lay.g, lay.p)
+    ]
+    views += [None] * len(lay.t)
+    views += [_chunked.to_bits(p) if lay.stacked(p) else None for p in lay.p]
+    views += [None] * len(lay.e)
+    wides = lay.p + [None] * len(lay.t) + lay.p + [None] * len(lay.e)
+
+    def body(i, state):
+        args = [
+            None if v is None else _wide(_chunked.take(v, i), w)
+            for v, w in zip(views, wides)
+        ]
+        for j, (t, s) in enumerate(zip(lay.t, state)):
+            if s is not None:
+                args[n_p + j] = codec.decode_leaf(t, _chunked.take(s, i))
+        out = _chunked.evaluate_slice(
+            jaxpr, consts, args, env, lay.stacked, lambda sh: (1, *sh[1:])
+        )
+        new = list(state)
+        for j, k in enumerate(lay.kinds):
+            if state[j] is not None:
+                rows = lay.t[j].size // length
+                offset = i.astype(jnp.uint32) * jnp.uint32(rows % 2**32)
+                x = codec.encode_leaf(out[n_p + j], k, count, 2 * j + 1, offset)
+                new[j] = _chunked.put(state[j], x, i)
+        return new
+
+    state = [
+        _chunked.by_layer(s, length) if lay.stacked(t) else None
+        for s, t in zip(lay.s, lay.t)
+    ]
+    return [_chunked.from_layers(s) for s in jax.lax.fori_loop(0, length, body, state)]
+
+
+def _update_in_slices(inner, codec, updates, state, params, extra, template, plan):
+    """:func:`low_precision_optimizer`'s update with the state of leaves
+    stacked on a layers axis written one slice (layer) at a time, in place.
+
+    The inner update's jaxpr is evaluated on whole arrays for its scalars (the
+    global norm of gradient clipping, counts, schedules), for the leaves of
+    other shapes and for the updates: elementwise in the decoded old state,
+    which XLA fuses into them (no float32 moments materialised). The new
+    state of the stacked leaves, whose int8 encoding needs each block's
+    maximum of the new float32 moments, is computed in a ``fori_loop`` over
+    the layers (:func:`_stacked_state`). So float32 moments exist for one
+    layer at a time, never for a whole stacked leaf. The bits are those of
+    the whole-leaf update (same operations per element; rounding bits from
+    the global element index).
+
+    Returns:
+        ``(updates, LowPrecisionState)``, or None when there is no stacked
+        axis or the inner update is not elementwise on the stacked leaves
+        (:class:`_chunked.Unchunkable`); the caller then updates whole leaves.
+    """
+    lay = _layout(codec, updates, state, params, extra, template, plan)
+    traced = None if lay is None else _inner_jaxpr(inner, lay)
+    if traced is None:
+        return None
+    jaxpr, consts = traced
+    n_p, count = len(lay.p), state.count
+
+    def run(g_leaves, s_leaves, p_leaves, e_leaves):
+        whole_in = [
+            *[_wide(g, p) for g, p in zip(g_leaves, p_leaves)],
+            *[codec.decode_leaf(t, s) for t, s in zip(lay.t, s_leaves)],
+            *[_wide(p, p) for p in p_leaves],
+            *e_leaves,
+        ]
+        env = {}
+        whole = _chunked.evaluate_whole(jaxpr, consts, whole_in, env)
+        lay_now = lay._replace(g=g_leaves, s=s_leaves, p=p_leaves, e=e_leaves)
+        stacked = _stacked_state(codec, lay_now, jaxpr, consts, env, count)
+        s_out = [
+            codec.encode_leaf(whole[n_p + j], k, count, 2 * j + 1) if s is None else s
+            for j, (s, k) in enumerate(zip(stacked, lay.kinds))
+        ]
+        outs = [
+            _write(p, whole[j], c, codec.rounding, codec.seed, count, 2 * j)
+            for j, (p, c) in enumerate(zip(p_leaves, lay.c))
+        ]
+        return [o[0] for o in outs], s_out, [o[1] for o in outs]
+
+    args = (lay.g, lay.s, lay.p, lay.e)
+    try:
+        jax.eval_shape(run, *args)
+    except _chunked.Unchunkable:
+        return None
+    d_out, s_out, c_out = run(*args)
+    new_comp = lay.pdef.unflatten(c_out) if codec.rounding == "kahan" else None
+    return lay.pdef.unflatten(d_out), LowPrecisionState(
+        count + 1, lay.tdef.unflatten(s_out), new_comp
+    )

@@ -35,13 +35,16 @@ def _fmix32(h: jax.Array) -> jax.Array:
     return h ^ (h >> 16)
 
 
-def global_index(shape: tuple[int, ...]) -> jax.Array:
-    """Row-major flat index of every element of an array of ``shape`` (uint32).
+def global_index(shape: tuple[int, ...], offset: jax.Array | int = 0) -> jax.Array:
+    """Row-major flat index of every element of an array of ``shape`` (uint32),
+    plus ``offset`` (modulo 2^32).
 
     Built from ``broadcasted_iota``, so under ``jit`` with a sharded operand each
-    shard computes the indices of its own elements in the *global* array.
+    shard computes the indices of its own elements in the *global* array; a
+    slice of rows of a larger array passes the flat index of its first element
+    as ``offset`` and gets the larger array's indices.
     """
-    flat = jnp.zeros(shape, _U32)
+    flat = jnp.zeros(shape, _U32) + jnp.asarray(offset).astype(_U32)
     stride = 1
     for d in reversed(range(len(shape))):
         flat = flat + lax.broadcasted_iota(_U32, shape, d) * _U32(stride % 2**32)
@@ -50,7 +53,11 @@ def global_index(shape: tuple[int, ...]) -> jax.Array:
 
 
 def noise_bits(
-    shape: tuple[int, ...], seed: int, step: jax.Array, stream: int
+    shape: tuple[int, ...],
+    seed: int,
+    step: jax.Array,
+    stream: int,
+    offset: jax.Array | int = 0,
 ) -> jax.Array:
     """Uniform uint32 bits for each element of an array of ``shape``.
 
@@ -60,13 +67,16 @@ def noise_bits(
         step: int32 scalar, the optimizer step (a new draw every step).
         stream: Python int naming the buffer (leaf index and buffer kind), so
             two buffers never share bits.
+        offset: flat index of the first element when ``shape`` is a block of
+            rows of a larger array (int or int32 scalar): the bits are that
+            array's bits for those elements.
 
     Returns:
         uint32 array of ``shape``: a hash of (seed, step, stream, global index).
     """
     key = _fmix32(jnp.asarray((seed * _GOLDEN + stream) % 2**32, _U32))
     key = _fmix32(key ^ (jnp.asarray(step).astype(_U32) * _U32(_GOLDEN)))
-    return _fmix32(_fmix32(global_index(shape) ^ key) + key)
+    return _fmix32(_fmix32(global_index(shape, offset) ^ key) + key)
 
 
 def _top_half_to_bf16(bits: jax.Array) -> jax.Array:
