@@ -80,6 +80,13 @@ def amp(
     rest following their inputs (PyTorch autocast's op lists,
     https://pytorch.org/docs/stable/amp.html, mapped onto JAX primitives).
 
+    Example:
+        >>> import jax, jax.numpy as jnp, jaxamp
+        >>> f = jaxamp.amp(lambda w, x: jnp.tanh(x @ w).sum(),
+        ...                compute_dtype=jnp.bfloat16)
+        >>> f(jnp.ones((3, 2)), jnp.ones((4, 3))).dtype
+        dtype('float32')
+
     Usable as ``amp(fn)``, ``amp(fn, compute_dtype=...)``, ``@amp`` and
     ``amp(compute_dtype=...)(fn)`` (jaxamp 0.0.4's signature). Composes with
     ``jit``, ``grad``, ``vjp``, ``vmap`` (with ``axis_name`` collectives) and
@@ -130,13 +137,6 @@ def amp(
         UserWarning: once, when ``fn`` is traced, for each ``amp_policy`` key
             you added that matched no primitive and no ``jax.named_scope`` in
             ``fn`` (a typo), naming the closest name.
-
-    Example:
-        >>> import jax, jax.numpy as jnp, jaxamp
-        >>> f = jaxamp.amp(lambda w, x: jnp.tanh(x @ w).sum(),
-        ...                compute_dtype=jnp.bfloat16)
-        >>> f(jnp.ones((3, 2)), jnp.ones((4, 3))).dtype
-        dtype('float32')
     """
     if compute_dtype is None:  # the policy of an enclosing mixed_precision block
         compute_dtype = policy_compute_dtype() or jnp.float16

@@ -1,4 +1,5 @@
-"""Test configuration: 8 host CPU devices and strict dtype promotion.
+"""Test configuration: 8 host CPU devices, unoptimised XLA:CPU kernels and strict
+dtype promotion.
 
 Strict promotion (``jax_numpy_dtype_promotion="strict"``) makes any silent upcast
 in jaxamp or in the tests fail loudly instead of hiding a dtype bug.
@@ -9,6 +10,13 @@ import os
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+# The tests check dtypes, jaxprs and numerics, not generated code: without LLVM's
+# optimisation passes XLA:CPU compiles (most of the suite's time) a third faster
+# (tests/test_examples.py: 55 s of CPU instead of 83 s). Results may differ from
+# optimised kernels in the last bits (e.g. fused multiply-adds); every comparison
+# here is between programs compiled alike or within a stated tolerance.
+if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
 import jax  # noqa: E402
 

@@ -42,7 +42,10 @@ BIAS = round_bf16(jax.random.normal(jax.random.key(7), (1, N, T, T)))
 def _dots(fn, *args):
     """(input dtypes, preferred_element_type) of every dot_general, sub-jaxprs
     included, in the jaxpr of ``fn``."""
-    closed = jax.make_jaxpr(fn)(*args)
+    return _dots_of(jax.make_jaxpr(fn)(*args))
+
+
+def _dots_of(closed):
     out = []
     for eqn, _ in jaxamp.iter_equations(closed):
         if eqn.primitive.name == "dot_general":
@@ -52,7 +55,10 @@ def _dots(fn, *args):
 
 
 def _names(fn, *args):
-    closed = jax.make_jaxpr(fn)(*args)
+    return _names_of(jax.make_jaxpr(fn)(*args))
+
+
+def _names_of(closed):
     return [
         str(e.params.get("name", e.primitive.name))
         for e, _ in jaxamp.iter_equations(closed)
@@ -62,7 +68,10 @@ def _names(fn, *args):
 def _fused(fn, *args):
     """The number of equations amp bound for re-dispatched attentions (in the
     ``jaxamp_fused_attention`` scope); 0 when nothing was replaced."""
-    closed = jax.make_jaxpr(fn)(*args)
+    return _fused_of(jax.make_jaxpr(fn)(*args))
+
+
+def _fused_of(closed):
     return sum(
         _attention.FUSED_SCOPE in _compat.scope_names(eqn)
         for eqn, _ in jaxamp.iter_equations(closed)
@@ -73,18 +82,24 @@ def _check_fused(fn, args, grad_argnums=(0, 1, 2), ref=None):
     """amp(fn) runs attention with float32 logits from bfloat16 q/k/v, and its
     output and gradients match float32."""
     amp_fn = jaxamp.amp(fn, compute_dtype=jnp.bfloat16)
-    dots = _dots(amp_fn, *args)
+    closed = jax.make_jaxpr(amp_fn)(*args)  # amp traced once for three checks
+    dots = _dots_of(closed)
     assert ((BF16, BF16), F32) in dots, dots  # q·k: bf16 in, float32 logits
-    assert _fused(amp_fn, *args) > 0
-    assert not any(n.startswith("jaxamp_attention__") for n in _names(amp_fn, *args))
+    assert _fused_of(closed) > 0
+    assert not any(n.startswith("jaxamp_attention__") for n in _names_of(closed))
     ref_fn = fn if ref is None else ref
     ref = ref_fn(*args)
     out = amp_fn(*args)
     assert out.dtype == ref.dtype
     assert rel_l2(out, ref) < TOL
-    loss = lambda f: (
-        lambda *a: jnp.sum(f(*a) * jnp.cos(jnp.arange(f(*a).size)).reshape(f(*a).shape))
-    )
+
+    def loss(f):
+        def weighted_sum(*a):
+            y = f(*a)
+            return jnp.sum(y * jnp.cos(jnp.arange(y.size)).reshape(y.shape))
+
+        return weighted_sum
+
     g_ref = jax.grad(loss(ref_fn), grad_argnums)(*args)
     g = jax.grad(loss(amp_fn), grad_argnums)(*args)
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(g))

@@ -179,6 +179,16 @@ def _shard_map_loss(p, stats, x):
     return jax.shard_map(body, mesh=mesh, in_specs=P("batch"), out_specs=P())(x)
 
 
+@functools.cache
+def _local_grads():
+    """The block on all replicas' images locally: float32's gradient and amp's
+    (both variants of the next test compare against them)."""
+    p, stats, x = _resnet_inputs()
+    with jax.default_matmul_precision("highest"):
+        ref = jax.grad(_local_loss)(p, stats, x)
+    return ref, jax.grad(jaxamp.amp(_local_loss, compute_dtype=BF16))(p, stats, x)
+
+
 @pytest.mark.parametrize(
     "sharded", [_vmap_loss, _shard_map_loss], ids=["vmap", "shard_map"]
 )
@@ -193,9 +203,7 @@ def test_cross_replica_batch_norm(sharded):
         p, stats, x
     )
     assert not _low_subs(amp_jaxpr)
-    with jax.default_matmul_precision("highest"):
-        ref = jax.grad(_local_loss)(p, stats, x)
-    local = jax.grad(jaxamp.amp(_local_loss, compute_dtype=BF16))(p, stats, x)
+    ref, local = _local_grads()
     dist = jax.grad(jaxamp.amp(sharded, compute_dtype=BF16))(p, stats, x)
     err_local, err_sharded = rel_l2(local, ref), rel_l2(dist, ref)
     assert err_sharded < 1.3 * err_local + 1e-6, (err_sharded, err_local)

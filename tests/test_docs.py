@@ -1,6 +1,7 @@
 """Tests of the documentation: the API reference lists every public name, every
 public name has a docstring, and the user guide's code runs."""
 
+import functools
 import re
 from pathlib import Path
 
@@ -13,12 +14,17 @@ API = ROOT / "docs" / "api.md"
 GUIDE = ROOT / "docs" / "guide.md"
 
 
+@functools.cache
+def _griffe_package():
+    """jaxamp as griffe reads it (the whole package parsed once per process)."""
+    griffe = pytest.importorskip("griffe")
+    return griffe.load("jaxamp", search_paths=[str(ROOT)], resolve_aliases=True)
+
+
 def _docstring(name: str) -> str:
     """The docstring the API reference renders: griffe's, which also reads the
     string literal after a module attribute (``default_amp_policy``)."""
-    griffe = pytest.importorskip("griffe")
-    package = griffe.load("jaxamp", search_paths=[str(ROOT)], resolve_aliases=True)
-    doc = package[name].docstring
+    doc = _griffe_package()[name].docstring
     return "" if doc is None else doc.value.strip()
 
 

@@ -1,5 +1,6 @@
 """End-to-end runs of the examples on tiny settings (the main job must not rot)."""
 
+import io
 import json
 import math
 import os
@@ -150,6 +151,70 @@ def test_corpus_split_is_deterministic_and_whole_files(tmp_path):
     assert bytes(val) == b"x = 9\nx = 19\n"  # files 9 and 19, whole
     assert b"excluded" not in bytes(train) + bytes(val)
     assert train_charlm.unigram_entropy_bits(np.frombuffer(b"abab", np.uint8)) == 1.0
+
+
+def _curves(offset):
+    losses = np.linspace(5.5, 2.5, 30)
+    return [
+        {
+            "mode": mode,
+            "losses": list(losses + k * offset),
+            "val_bits_per_char": (2.6 + k * offset) / math.log(2),
+        }
+        for k, mode in enumerate(("fp32", "bf16", "fp16"))
+    ]
+
+
+def test_charlm_plot_is_in_bits_per_char_and_says_why_curves_overlap():
+    import matplotlib.pyplot as plt
+
+    results = _curves(0.01)  # nats: 0.0289 bits between the extreme modes
+    fig = train_charlm.loss_figure(results, unigram_bits=4.5)
+    try:
+        ax = fig.axes[0]
+        assert ax.get_ylabel() == "cross-entropy (bits/char)"
+        lines = ax.get_lines()
+        for r, train, val in zip(results, lines[0:6:2], lines[1:6:2]):
+            np.testing.assert_allclose(
+                train.get_ydata(), np.asarray(r["losses"]) / math.log(2), rtol=1e-12
+            )
+            assert val.get_ydata()[0] == r["val_bits_per_char"]
+            assert val.get_xdata()[0] == len(r["losses"]) - 1
+        assert list(lines[6].get_ydata()) == [4.5, 4.5]  # unigram entropy, bits
+        assert ax.get_title() == (
+            "the curves overlap because the modes train alike "
+            f"(mean gap between the modes {0.02 / math.log(2):.3f} bits/char)"
+        )
+        assert fig.texts[0].get_text() == "char-level GPT on the Python stdlib"
+    finally:
+        plt.close(fig)
+    apart = train_charlm.loss_figure(_curves(0.2))
+    try:  # 0.577 bits apart: no claim that they overlap
+        assert apart.axes[0].get_title() == (
+            f"mean gap between the modes {0.4 / math.log(2):.3f} bits/char"
+        )
+    finally:
+        plt.close(apart)
+
+
+def test_charlm_progress_bar_flushes_the_lines_printed_before_it(monkeypatch):
+    events = []
+
+    class Out(io.StringIO):
+        def flush(self):
+            events.append("stdout flushed")
+
+    class Err(io.StringIO):
+        def write(self, s):
+            events.append("bar drawn")
+            return super().write(s)
+
+    monkeypatch.setattr(sys, "stdout", Out())
+    monkeypatch.setattr(sys, "stderr", Err())
+    bar = train_charlm._progress(3, "bf16", enabled=True)
+    bar.close()
+    assert events[0] == "stdout flushed" and "bar drawn" in events
+    assert train_charlm._progress(3, "bf16", enabled=False) is None
 
 
 @pytest.mark.slow

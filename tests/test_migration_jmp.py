@@ -38,7 +38,7 @@ def name(dtype):
 # policy_test.py
 
 
-@pytest.mark.parametrize("dtype, np_", it.product(DTYPES, NUMPYS))
+@pytest.mark.parametrize("dtype, np_", list(it.product(DTYPES, NUMPYS)))
 @pytest.mark.parametrize("kind", ["param", "compute", "output"])
 def test_policy_cast_to(kind, dtype, np_):
     policy = jaxamp.Policy(dtype, dtype, dtype)
@@ -47,7 +47,7 @@ def test_policy_cast_to(kind, dtype, np_):
     assert out["a"].dtype == np.dtype(dtype)
 
 
-@pytest.mark.parametrize("dtype, np_", it.product(DTYPES, NUMPYS))
+@pytest.mark.parametrize("dtype, np_", list(it.product(DTYPES, NUMPYS)))
 def test_policy_with_output_dtype(dtype, np_):
     policy = jaxamp.Policy(np_.float32, np_.float32, np_.float32)
     policy = policy.with_output_dtype(dtype)

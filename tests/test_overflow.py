@@ -8,6 +8,8 @@ float16 overflows once |x - mean| > 256, ``rsqrt(inf) = 0`` zeroes the output,
 and no inf or NaN reaches the loss or the gradients.
 """
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,7 +36,7 @@ def layer_norm(h):
 
 SQUARE_LINE = next(
     i + 1
-    for i, line in enumerate(open(__file__))
+    for i, line in enumerate(Path(__file__).read_text().splitlines())
     if line.rstrip().endswith("# SQUARE_LINE")
 )
 

@@ -1,6 +1,8 @@
 """Typed policy values (jaxamp/_policy/_kinds.py) and the bind steps as
 pipeline configuration (jaxamp/_walk/_loop.py: ``Pipeline.bind_steps``)."""
 
+import copy
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -142,6 +144,50 @@ def test_scope_policy_values():
         AmpPolicy({"amp_default": nested})
     with pytest.raises(TypeError, match="must be callable"):
         jaxamp.CastRule("float32")
+
+
+def test_default_policy_is_a_dict_with_a_short_repr():
+    p = jaxamp.default_amp_policy
+    plain = dict(p)
+    assert isinstance(p, dict) and p == plain and plain == p
+    assert repr(p) == f"<jaxamp.default_amp_policy: {len(plain)} entries>"
+    assert len(plain) > 60  # the whole table, not a view of part of it
+    assert str(p) == repr(p)
+    # Merges and copies are plain dicts with every entry and the usual repr.
+    extra = {"exp": jaxamp.use_compute_precision}
+    for merged in ({**p, **extra}, p | extra, dict(p, **extra)):
+        assert type(merged) is dict
+        assert merged == {**plain, **extra}
+    assert (extra | p) == {**extra, **plain}
+    for copied in (p.copy(), copy.copy(p), copy.deepcopy(p)):
+        assert type(copied) is dict and copied == plain
+        assert repr(copied).startswith("{'dot_general': CastRule(use_lower_precision)")
+    assert list(p) == list(plain) and list(p.items()) == list(plain.items())
+    assert p["exp"] is plain["exp"] and "scan" in p and p.get("nope") is None
+    # Under amp it is the same policy as its plain copy (same jaxpr).
+    f = lambda w, x: jnp.exp(x @ w).sum()
+    jaxprs = [
+        str(jax.make_jaxpr(jaxamp.amp(f, compute_dtype=BF16, amp_policy=q))(W, X))
+        for q in (p, plain)
+    ]
+    assert jaxprs[0] == jaxprs[1]
+
+
+def test_policy_value_reprs_are_short():
+    default = jaxamp.ScopePolicy(jaxamp.default_amp_policy)
+    assert repr(default) == f"ScopePolicy({jaxamp.default_amp_policy!r})"
+    n = len(jaxamp.default_amp_policy)
+    assert repr(jaxamp.ScopePolicy(dict(jaxamp.default_amp_policy))) == (
+        f"ScopePolicy(<{n} entries>)"
+    )
+    small = jaxamp.ScopePolicy({"exp": jaxamp.use_full_precision})
+    assert repr(small) == "ScopePolicy({'exp': CastRule(use_full_precision)})"
+    assert repr(jaxamp.use_lower_precision) == "CastRule(use_lower_precision)"
+    assert repr(jaxamp.attention_rule("xla")) == "attention_rule('xla')"
+    carry = jaxamp.default_amp_policy["scan"]
+    assert repr(carry) == "CarryRule(narrow_bfloat16_carries)"
+    for value in jaxamp.default_amp_policy.values():
+        assert len(repr(value)) <= 60, repr(value)
 
 
 def _recording(name, log):

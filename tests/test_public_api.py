@@ -2,6 +2,7 @@
 
 import ast
 import inspect
+import pydoc
 import typing
 from pathlib import Path
 
@@ -49,3 +50,45 @@ def test_jaxamp_004_names_exist():
         "use_original_precision",
     ):
         assert name in jaxamp.__all__
+
+
+def _public_callables():
+    modules = [("jaxamp", jaxamp)] + [
+        (f"jaxamp.compat.{m}", getattr(jaxamp.compat, m)) for m in jaxamp.compat.__all__
+    ]
+    for prefix, module in modules:
+        for name in module.__all__:
+            obj = getattr(module, name)
+            if callable(obj) and typing.get_origin(obj) is None:
+                yield f"{prefix}.{name}", obj
+
+
+def test_public_signatures_read_in_one_line():
+    # help() and the API reference print the signature on one line: a default
+    # must print as a name or a short value, never as a table (the default
+    # policy's ~70 rules once made amp's signature ~3,400 characters).
+    checked = 0
+    for name, obj in _public_callables():
+        try:
+            sig = inspect.signature(obj)
+        except (TypeError, ValueError):  # a builtin without a signature
+            continue
+        checked += 1
+        for param in sig.parameters.values():
+            assert len(str(param)) <= 80, f"{name}: {param}"
+        # Many short parameters (int8_policy's 12) may exceed 300 characters.
+        if len(sig.parameters) <= 6:
+            assert len(str(sig)) <= 300, f"{name}{sig}"
+    assert checked > 50
+    assert len(str(inspect.signature(jaxamp.amp))) <= 300
+    assert len(str(inspect.signature(jaxamp.precision_report))) <= 300
+
+
+def test_amp_help_shows_the_example_early():
+    text = pydoc.render_doc(jaxamp.amp, renderer=pydoc.plaintext).splitlines()
+    signature = next(line for line in text if line.startswith("amp("))
+    assert len(signature) <= 300
+    assert "<jaxamp.default_amp_policy: " in signature
+    example = next(i for i, line in enumerate(text) if line.strip() == "Example:")
+    assert example < 40
+    assert ">>> f = jaxamp.amp(" in "\n".join(text[example : example + 6])

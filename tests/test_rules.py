@@ -160,3 +160,34 @@ def test_casts_are_deduplicated_within_a_walk():
         b = _cast.cast(x, BF16)
     assert a is b
     assert _cast.cast(x, BF16) is not _cast.cast(x, BF16)  # no cache outside
+
+
+def test_bfloat16_result_matmuls_accumulate_in_float32():
+    # amp's jaxpr of an MLP's hidden layer says preferred_element_type=bfloat16
+    # (the result's dtype); the kernels sum in float32 and round once (the note
+    # in the README's policy table and the guide). 1 + 4095 * 2**-9 = 8.998 in
+    # float32, 9 once rounded to bfloat16; a bfloat16 running sum stays at 1.
+    mlp = jaxamp.amp(
+        lambda w1, w2, x: (jnp.tanh(x @ w1) @ w2).sum(), compute_dtype=jnp.bfloat16
+    )
+    w1, w2, x = jnp.ones((3, 4)), jnp.ones((4, 2)), jnp.ones((5, 3))
+    text = str(jax.make_jaxpr(mlp)(w1, w2, x))
+    assert "preferred_element_type=bfloat16" in text
+    assert "bf16[5,4] = dot_general" in text
+    n = 4096
+    terms = np.concatenate([[1.0], np.full(n - 1, 2.0**-9)])
+    a = jnp.asarray(terms, jnp.bfloat16)
+    ones = jnp.ones(n, jnp.bfloat16)
+    dot = jax.jit(
+        lambda a, b: jax.lax.dot_general(
+            a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.bfloat16
+        )
+    )
+    conv = jax.jit(
+        lambda a, b: jax.lax.conv_general_dilated(
+            a[None, None], b[None, None], (1,), "VALID"
+        )
+    )
+    for result in (dot(a, ones), conv(a, ones)):
+        assert result.dtype == jnp.bfloat16
+        assert float(result.reshape(())) == 9.0

@@ -36,6 +36,8 @@ ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "off")
 # Attributes a typed rule copies from the function it wraps (its name and
 # docstring: for error messages, ``help()`` and the API reference).
 _WRAPPED = ("__module__", "__name__", "__qualname__", "__doc__")
+# The longest nested policy a ScopePolicy's repr prints in full.
+_SHORT_REPR = 80
 
 
 def _wrap(rule: Any, fn: Callable, kind: str) -> None:
@@ -238,6 +240,13 @@ class ScopePolicy:
                 "ScopePolicy(policy): policy must be a mapping, got "
                 f"{type(self.policy).__name__}."
             )
+
+    def __repr__(self) -> str:
+        # Short (a policy holds ~70 rules): named if it is the default table.
+        inner = repr(self.policy)
+        if len(inner) > _SHORT_REPR:
+            inner = f"<{len(self.policy)} entries>"
+        return f"ScopePolicy({inner})"
 
 
 PolicyValue = CastRule | ImplementationRule | AttentionRule | ResidualRule | ScopePolicy

@@ -304,7 +304,25 @@ def narrow_bfloat16_carries(compute_dtype, original_dtypes, *carries, **params):
 # --------------------------------------------------------------------------------
 # THE default table, filled by small family helpers (jax's jet.py style).
 
-default_amp_policy: dict[Any, Rule] = {}
+
+class _DefaultPolicy(dict):
+    """The default policy's type: a ``dict`` in every respect (equality,
+    ``dict(p)``, ``{**p, ...}``, ``p | {...}``; copies and unpickled copies are
+    plain dicts), except
+    that its repr names it instead of listing its ~70 entries, so that the
+    signatures of ``amp`` and the tools that default to it read in one line
+    (``help(jaxamp.amp)``, ``inspect.signature``)."""
+
+    __slots__ = ()
+
+    def __reduce__(self):  # copies and pickles are plain dicts, like p.copy()
+        return dict, (dict(self),)
+
+    def __repr__(self) -> str:
+        return f"<jaxamp.default_amp_policy: {len(self)} entries>"
+
+
+default_amp_policy: dict[Any, Rule] = _DefaultPolicy()
 """The default policy: primitive name (plus ``"amp_stop"``, ``"amp_default"``
 and a loop primitive's name for its carries' rule) -> rule. Copy and override
 entries to change it:
