@@ -71,7 +71,8 @@ def test_table_and_save(args, tmp_path):
     assert "saved residuals" in text and "int8" in text and "block" in text
     assert len(text.splitlines()) == 4 + len(r.rows)
     jpath, ppath = r.save(str(tmp_path / "out"))
-    data = json.loads(open(jpath).read())
+    with open(jpath) as f:
+        data = json.load(f)
     assert data["residual_bytes"] == r.residual_bytes
     assert [row["bytes"] for row in data["rows"]] == [row.bytes for row in r.rows]
     with open(ppath, "rb") as f:
