@@ -105,10 +105,19 @@ def test_fp8_in_one_mlp_is_found_and_fixed(path_keys):
     assert fix.grad_error <= 1.5 * bf16_error
     assert 0 < fix.eight_bit_moved <= 1 and fix.low_precision_moved == 0
     # The verified policy is what amp then runs: the MLP's matmuls leave FP8.
-    got = jaxamp.quantization_report(
-        jaxamp.amp(loss, compute_dtype=BF16, amp_policy=fix.policy), params, x, y
-    )
+    # The suggestion is itself the policy mapping amp takes.
+    assert dict(fix) == fix.policy and len(fix) == len(fix.policy)
+    fixed = jaxamp.amp(loss, compute_dtype=BF16, amp_policy=fix)
+    got = jaxamp.quantization_report(fixed, params, x, y)
     assert all(r.format != "fp8" for r in got)
+    g = jax.jit(jax.grad(fixed))(params, x, y)
+    g32 = jax.grad(loss)(params, x, y)
+    err = sum(
+        jnp.sum(jnp.square(a - b))
+        for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g32))
+    )
+    den = sum(jnp.sum(jnp.square(b)) for b in jax.tree.leaves(g32))
+    np.testing.assert_allclose(float(jnp.sqrt(err / den)), fix.grad_error, rtol=1e-3)
 
 
 def test_scanned_int8_gpt_names_the_head_as_the_breakdown_found():
@@ -324,6 +333,35 @@ def test_bad_input_raises():
         jaxamp.precision_report(lambda w: w * 2, jnp.ones(2))
     with pytest.raises(ValueError, match="group_depth"):
         jaxamp.precision_report(lambda w: w.sum(), jnp.ones(2), group_depth=0)
+
+
+def test_attention_mask_sentinel_is_no_error():
+    # float32's lowest value masks the scores (Flax GPT-2's attention bias);
+    # int8's product gives bfloat16 scores, and the masked sum holds the mask
+    # as -inf, which masks as well: no infinite error, no overflow, and the
+    # unmasked scores' error is what the sum reports.
+    def loss(w, x):
+        with jax.named_scope("attn"):
+            s = (x @ w) @ x.T
+            causal = jnp.tril(jnp.ones(s.shape, bool))
+            s = s + jnp.where(causal, 0.0, jnp.finfo(jnp.float32).min)
+            return jnp.mean(jax.nn.softmax(s, -1) @ x)
+
+    w = round_bf16(jax.random.normal(jax.random.key(0), (8, 8)) / 3)
+    x = round_bf16(jax.random.normal(jax.random.key(1), (4, 8)))
+    policy = jaxamp.int8_policy(size_rule=None, quantize_last_matmul=True)
+    report = jaxamp.precision_report(loss, w, x, amp_policy=policy)
+    for r in report.records:
+        assert np.isfinite(r.propagated_error) and np.isfinite(r.local_error), r
+        assert r.overflow == 0 and np.isfinite(r.loss_share), r
+    (masked,) = [r for r in report.records if r.primitive == "add" and r.format]
+    dots = [r for r in report.records if r.primitive == "dot_general"]
+    assert (
+        1e-3
+        < masked.propagated_error
+        == pytest.approx(dots[1].propagated_error, rel=0.5)
+    )
+    assert 0 < report.grad_error < 0.2
 
 
 def test_custom_vjp_primal_body_is_walked():

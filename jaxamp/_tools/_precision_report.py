@@ -139,12 +139,37 @@ def _sq(x: Any) -> float:
     return float(np.sum(np.square(np.asarray(x, np.float64))))
 
 
+# Float32 values in float32's top binade (``jnp.finfo(jnp.float32).min``, the
+# attention-mask value) are sentinels: a low-precision format holds them as the
+# same-signed infinity, which masks as well (softmax gives 0 either way).
+_SENTINEL = 2.0**127
+
+
+def _saturated(got: Any, want: Any) -> np.ndarray:
+    """Where ``got`` holds ``want``'s sentinel as a same-signed infinity (or
+    both are that infinity): a masked value, not an error."""
+    g, w = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    with np.errstate(invalid="ignore"):
+        return (np.isinf(g) & (np.abs(w) >= _SENTINEL) & (np.sign(g) == np.sign(w))) | (
+            np.isinf(w) & (g == w)
+        )
+
+
+def _diff(got: Any, want: Any) -> tuple[np.ndarray, np.ndarray]:
+    """``(got - want, want)`` in float64, zero where :func:`_saturated`."""
+    g, w = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    sat = _saturated(g, w)
+    if not sat.any():
+        return g - w, w
+    return np.where(sat, 0.0, g - np.where(sat, 0.0, w)), np.where(sat, 0.0, w)
+
+
 def _rel(got: list, want: list) -> float:
-    den = sum(_sq(w) for w in want)
-    num = sum(
-        _sq(np.asarray(g, np.float64) - np.asarray(w, np.float64))
-        for g, w in zip(got, want)
-    )
+    """Relative L2 error of ``got`` against ``want``; sentinels held as
+    infinities (:func:`_saturated`) count as exact and leave the norm."""
+    pairs = [_diff(g, w) for g, w in zip(got, want)]
+    den = sum(_sq(w) for _, w in pairs)
+    num = sum(_sq(d) for d, _ in pairs)
     return (num / den) ** 0.5 if den else float(num > 0)
 
 
@@ -154,11 +179,12 @@ def _fractions(local: list, want: list) -> list[float]:
     peak = 0.0
     for lo, w in zip(local, want):
         lo64, w64 = np.asarray(lo, np.float64), np.asarray(w, np.float64)
-        fin = np.isfinite(w64)
+        fin = np.isfinite(w64) & ~_saturated(lo64, w64)
         over += int(np.sum(~np.isfinite(lo64) & fin))
         under += int(np.sum((lo64 == 0) & (w64 != 0) & fin))
         if w64.size:
-            peak = max(peak, float(np.max(np.abs(np.where(fin, w64, 0)))))
+            keep = fin & (np.abs(w64) < _SENTINEL)
+            peak = max(peak, float(np.max(np.abs(np.where(keep, w64, 0)))))
     return [over / n, under / n, peak]
 
 
@@ -211,12 +237,7 @@ def _site_stats(site: Site, g: list, reduced: bool) -> list[float]:
         return [0.0, prop, 0.0, 0.0, _fractions(want, want)[2], 0.0]
     loss_share = abs(
         sum(
-            float(
-                np.vdot(
-                    np.asarray(gi, np.float64),
-                    np.asarray(lo, np.float64) - np.asarray(w, np.float64),
-                )
-            )
+            float(np.vdot(np.asarray(gi, np.float64), _diff(lo, w)[0]))
             for gi, lo, w in zip(g, local, want)
         )
     )

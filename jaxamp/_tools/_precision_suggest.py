@@ -7,7 +7,7 @@ evaluation per trial; here the ranking predicts how many to try first)."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import equinox as eqx
@@ -82,9 +82,12 @@ class Runner:
         return share(1), share(2)
 
 
-@dataclasses.dataclass
-class Suggestion:
+@dataclasses.dataclass(eq=False)
+class Suggestion(Mapping):
     """A verified policy change (:meth:`jaxamp.PrecisionReport.suggest`).
+
+    A read-only mapping: its items are ``policy``'s, so the suggestion itself
+    is an ``amp_policy`` (``amp(loss, amp_policy=report.suggest(...))``).
 
     Attributes:
         policy: the amp policy to pass as ``amp_policy`` (the report's policy
@@ -106,6 +109,15 @@ class Suggestion:
     met: bool
     eight_bit_moved: float
     low_precision_moved: float
+
+    def __getitem__(self, key: Any) -> Any:
+        return self.policy[key]
+
+    def __iter__(self) -> Iterator:
+        return iter(self.policy)
+
+    def __len__(self) -> int:
+        return len(self.policy)
 
     def __str__(self) -> str:
         keys = ", ".join(f"{k!r} -> {v}" for k, v in self.overrides.items())

@@ -219,9 +219,7 @@ def traverse(
     ]
 
 
-def _unroll(
-    visitor, eqn, structure: Structure, f, invals, ctx, iteration
-) -> list:
+def _unroll(visitor, eqn, structure: Structure, f, invals, ctx, iteration) -> list:
     """A loop's iterations traversed one by one, as its description says:
     operands sliced or whole, carries fed back, outputs stacked or last."""
     (sub,) = structure.subs
