@@ -100,9 +100,9 @@ def test_jmp_loss_scales_are_scaler_states_under_jit():
     # dynamic_scale_value_and_grad.
     state = jmp.DynamicLossScale(jnp.float32(2**10), period=2)
     vg = jaxamp.dynamic_scale_value_and_grad(lambda w: (w * w).sum(), filter=False)
-    new, (loss, grad) = jax.jit(
-        lambda w, s: vg(w, dynamic_scaler_state=s)
-    )(jnp.ones(2), state)
+    new, (loss, grad) = jax.jit(lambda w, s: vg(w, dynamic_scaler_state=s))(
+        jnp.ones(2), state
+    )
     assert type(new) is jmp.DynamicLossScale
     assert float(loss) == 2.0 and np.allclose(grad, 2.0)
     assert int(new.counter) == 1

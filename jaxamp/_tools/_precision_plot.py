@@ -31,15 +31,19 @@ def to_json(report: Any) -> dict:
         "loss_amp": report.loss,
         "loss_error": _num(report.loss_error),
         "grad_errors": report.grad_errors,
-        "ranking_grad": report.scopes("grad"),
+        "ranking_grad": {k: _num(v) for k, v in report.scopes("grad").items()},
         "ranking_loss": {k: _num(v) for k, v in report.scopes("loss").items()},
+        "linear_fit": _num(report.linear_fit),
         "records": recs,
     }
 
 
 def scope_table(report: Any) -> dict[str, dict[str, Any]]:
-    """Per scope path: gradient share, loss share, largest local and
-    propagated error, worst over/underflow, formats, first source line."""
+    """Per scope path, in the ranking's order (:meth:`scopes`; then scopes
+    without a reduced-precision equation): the estimated shares of the
+    gradient and loss error its restoring removes, its sites' local backward
+    error (in quadrature), largest local and propagated error, worst
+    over/underflow, formats, first source line."""
     out: dict[str, dict[str, Any]] = {}
     for r in report.records:
         row = out.setdefault(
@@ -63,9 +67,13 @@ def scope_table(report: Any) -> dict[str, dict[str, Any]]:
         row["under"] = max(row["under"], r.underflow)
         if r.format:
             row["formats"].add(r.format)
-    for row in out.values():
+    grad, loss = report.scopes("grad"), report.scopes("loss")
+    for k, row in out.items():
         row["grad"] = row["grad"] ** 0.5
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]["grad"]))
+        row["removed"] = grad.get(k, 0.0)
+        row["removed_loss"] = loss.get(k, 0.0)
+    order = list(grad) + [k for k in out if k not in grad]
+    return {k: out[k] for k in order if k in out}
 
 
 def text(report: Any) -> str:
@@ -80,12 +88,17 @@ def text(report: Any) -> str:
     )
     lines = [head + f"per parameter group: {groups}", ""]
     lines.append(
-        f"{'scope':<28} {'grad share':>10} {'loss share':>10} {'local':>9} "
-        f"{'propag.':>9} {'overfl.':>8} {'underfl.':>8}  formats / source"
+        "grad / loss removed: estimated share of the error removed by running the "
+        f"scope as float32 (linear fit residual {report.linear_fit:.2f})"
+    )
+    lines.append(
+        f"{'scope':<28} {'grad rem.':>9} {'loss rem.':>9} {'bwd local':>9} "
+        f"{'local':>9} {'propag.':>9} {'overfl.':>8} {'underfl.':>8}  formats / source"
     )
     for scope, r in scope_table(report).items():
         lines.append(
-            f"{(scope or '(no scope)')[:28]:<28} {r['grad']:10.2e} {r['loss']:10.2e} "
+            f"{(scope or '(no scope)')[:28]:<28} {r['removed']:9.1%} "
+            f"{r['removed_loss']:9.1%} {r['grad']:9.2e} "
             f"{r['local']:9.2e} {r['prop']:9.2e} {r['over']:8.1%} {r['under']:8.1%}  "
             f"{','.join(sorted(r['formats']))} {os.path.basename(r['source'])}"
         )

@@ -47,8 +47,10 @@ from . import _precision_plot, _precision_suggest
 from ._precision_walk import (
     DiffVisitor,
     Site,
-    backward_errors,
-    probe_cotangents,
+    backward_deltas,
+    norms,
+    probe_shapes,
+    probed_gradient,
     traverse,
 )
 
@@ -392,9 +394,12 @@ def precision_report(
         )
     cd = canonical_dtype(compute_dtype, argname="compute_dtype")
     scale = float(loss_scale or (2.0**15 if cd == np.float16 else 1.0))
+    # amp's own step first (jitted as the user's step is): its gradient is the
+    # error the ranking apportions.
+    lossa, ga = amp_gradients(loss_fn, args, kwargs, cd, amp_policy, has_aux, scale)
     cache: dict = {}
-    walk = _walk(loss_fn, args, kwargs, cd, amp_policy, has_aux, cache, scale)
-    sites, cts, g32, loss32, back_all = walk
+    walk = _walk(loss_fn, args, kwargs, cd, amp_policy, has_aux, cache, scale, ga)
+    sites, cts, g32, loss32, back_all, effect = walk
     reduced = [_format(st, cache)[1] for st in sites]
     norm = sum(_sq(x) for x in g32) ** 0.5
     records = [
@@ -405,16 +410,14 @@ def precision_report(
         loss_fn, args, kwargs, cd, amp_policy, has_aux, scale, g32, loss32,
         amp_gradients,
     )  # fmt: skip
-    return _assemble(runner, records, group_depth)
+    return _assemble(runner, records, group_depth, lossa, ga, effect)
 
 
-def _assemble(runner: Any, records: list, group_depth: int) -> PrecisionReport:
-    """The report: amp's measured gradient (one jitted step) against float32's
-    per parameter group, the records, the runner for ``suggest``."""
+def _assemble(runner, records, group_depth, lossa, ga, effect) -> PrecisionReport:
+    """The report: amp's measured gradient against float32's per parameter
+    group, the records, each scope's estimated effect, the runner for
+    ``suggest``."""
     r = runner
-    lossa, ga = amp_gradients(
-        r.fn, r.args, r.kwargs, r.compute_dtype, r.policy, r.has_aux, r.scale
-    )
     params = eqx.filter(r.args[0], eqx.is_array)
     names = [
         n
@@ -422,6 +425,18 @@ def _assemble(runner: Any, records: list, group_depth: int) -> PrecisionReport:
         if is_float(x.dtype)
     ]
     tree = jax.tree.structure(eqx.filter(params, lambda x: is_float(x.dtype)))
+    scopes, d_loss, dots, sq, model_sq, fit = effect
+    loss_err = float(np.sum(d_loss))  # the model's loss error
+    grad_removed = {
+        k: float((2 * d - n) / model_sq) if model_sq else 0.0
+        for k, d, n in zip(scopes, dots, sq)
+    }
+    loss_removed = {
+        k: float((abs(loss_err) - abs(loss_err - dl)) / abs(loss_err))
+        if loss_err
+        else 0.0
+        for k, dl in zip(scopes, d_loss)
+    }
     return PrecisionReport(
         records=records,
         loss32=r.loss32,
@@ -431,13 +446,16 @@ def _assemble(runner: Any, records: list, group_depth: int) -> PrecisionReport:
         grads=jax.tree.unflatten(tree, ga),
         grads32=jax.tree.unflatten(tree, r.g32),
         runner=r,
+        removed={"grad": grad_removed, "loss": loss_removed},
+        linear_fit=float(fit),
     )
 
 
-def _walk(fn, args, kwargs, cd, policy, has_aux, cache, scale):
+def _walk(fn, args, kwargs, cd, policy, has_aux, cache, scale, ga):
     """Trace ``fn``; the differential walk's sites, their float32
-    cotangents, the float32 gradient (leaves of ``args[0]``'s float arrays)
-    and the float32 loss."""
+    cotangents, the float32 gradient (leaves of ``args[0]``'s float arrays),
+    the float32 loss, the backward errors and each scope's effect (see
+    :func:`_compiled_walk`)."""
     dynamic, static = eqx.partition((args, kwargs), eqx.is_array)
     leaves, treedef = jax.tree_util.tree_flatten(dynamic)
     n0 = len(jax.tree.leaves(eqx.filter(args[0], eqx.is_array)))
@@ -458,7 +476,7 @@ def _walk(fn, args, kwargs, cd, policy, has_aux, cache, scale):
     ctx = AmpContext(cd, AmpPolicy(policy), DEFAULT_PIPELINE)
     edge = ((0,) * len(core.outvars), None)
     reduced = lambda site: _format(site, cache)[1]  # noqa: E731
-    return _compiled_walk(core, consts, leaves, wrt, ctx, edge, reduced, scale)
+    return _compiled_walk(core, consts, leaves, wrt, ctx, edge, reduced, scale, ga)
 
 
 _FIELDS = ("x32", "y32", "local", "amp")
@@ -467,29 +485,107 @@ _FIELDS = ("x32", "y32", "local", "amp")
 _FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
-def _compiled_walk(core, consts, leaves, wrt, ctx, edge, reduced, scale):
-    """One compiled function: the differential walk, the probe pass and every
-    reduced site's backward error. Returns the sites (their values concrete,
-    read back from its outputs), their cotangents, the float32 gradient, the
-    float32 loss and the backward errors."""
+def _forward_delta(site: Site) -> list:
+    """``local - y32`` per float output of a reduced site (float32 avals of
+    ``y32``): sentinels held as infinities count 0 (:func:`_saturated`), an
+    overflow counts as the format's largest value, a NaN as 0."""
+    out = []
+    for i in [i for i, y in enumerate(site.y32) if is_float(getattr(y, "dtype", None))]:
+        lo, w = site.local[i], site.y32[i]
+        fmax = jnp.finfo(lo.dtype).max.astype(jnp.float32)
+        lo, w = lo.astype(jnp.float32), w.astype(jnp.float32)
+        sat = (
+            jnp.isinf(lo) & (jnp.abs(w) >= _SENTINEL) & (jnp.sign(lo) == jnp.sign(w))
+        ) | (jnp.isinf(w) & (lo == w))
+        d = jnp.clip(lo, -fmax, fmax) - w
+        d = jnp.where(sat | ~jnp.isfinite(d), 0.0, d)
+        out.append(d.astype(site.y32[i].dtype))
+    return out
+
+
+def _compiled_walk(core, consts, leaves, wrt, ctx, edge, reduced, scale, ga):
+    """One compiled function: the differential walk, the probed float32
+    gradient, every reduced site's backward error, and each scope's effect:
+    the JVP of the probed gradient (:func:`probed_gradient`) in the direction
+    of the scope's local forward and backward errors, i.e. the change of the
+    loss and of the gradient those errors cause through the rest of the step
+    (first order in the local errors, exact propagation), for every scope at
+    once (``vmap`` over scopes), against amp's measured gradient ``ga``.
+
+    Returns the sites (their values concrete, read back from its outputs),
+    their cotangents, the float32 gradient, the float32 loss, the backward
+    errors and ``(scopes, loss change, <measured, change>, |change|^2,
+    |measured|^2, linear-model residual)`` (per scope where indexed)."""
     box: list = []
     index: dict = {}  # id of a traced value -> its position in the outputs
 
-    def run(xs):
+    def run(xs, ga):
         visitor = DiffVisitor(reduced)
         pairs, cpairs = [(x, x) for x in xs], [(c, c) for c in consts]
-        out = traverse(visitor, core, cpairs, pairs, ctx, edge)
-        cts, g32 = probe_cotangents(core, consts, xs, wrt, ctx, edge)
+        traverse(visitor, core, cpairs, pairs, ctx, edge)
         sites = visitor.sites
         box.append(sites)
-        back = backward_errors(sites, cts, [reduced(st) for st in sites], scale)
+        shapes = probe_shapes(core, consts, xs, ctx, edge)
+        chosen = [
+            reduced(st) and bool(o) and bool(i)
+            for st, o, i in zip(sites, shapes.shapes, shapes.in_shapes)
+        ]
+        fp0 = [[jnp.zeros(a.shape, a.dtype) for a in sh] for sh in shapes.shapes]
+        bp0 = [
+            [jnp.zeros(a.shape, jnp.float32) for a in sh] if c else None
+            for sh, c in zip(shapes.in_shapes, chosen)
+        ]
+        G = probed_gradient(core, consts, xs, wrt, ctx, edge)
+        params = [xs[i] for i in wrt]
+        (loss32, (g32, cts)), lin = jax.linearize(
+            lambda fp, bp: G(params, fp, bp), fp0, bp0
+        )
+        deltas = backward_deltas(sites, cts, chosen, scale)
+        back = norms(deltas)
+        names = [scope_path(st.scopes) for st in sites]
+        scopes = list(dict.fromkeys(n for n, c in zip(names, chosen) if c))
+        box.append(scopes)
+        eye = np.eye(len(scopes), dtype=np.float32)
+
+        def spread(k, vals):  # vals in row scopes.index(names[k]), zeros elsewhere
+            row = eye[scopes.index(names[k])]
+            return [row.reshape((-1,) + (1,) * v.ndim) * v[None] for v in vals]
+
+        tf = [
+            spread(k, _forward_delta(st))
+            if c
+            else [jnp.zeros((len(scopes), *a.shape), a.dtype) for a in sh]
+            for k, (st, c, sh) in enumerate(zip(sites, chosen, shapes.shapes))
+        ]
+        tb = [
+            spread(k, d) if c else None for k, (d, c) in enumerate(zip(deltas, chosen))
+        ]
+
+        def one(f, b):
+            dl, (dg, _) = lin(f, b)
+            return dl, dg
+
+        d_loss, d_grad = jax.vmap(one)(tf, tb) if scopes else (jnp.zeros(0), [])
+        # Rounding errors are redrawn at amp's point (a rounding is not
+        # differentiable): the shares are of the model's own gradient error,
+        # the sum of the scopes' propagated errors, not of the measured one.
+        total = [d.sum(0) for d in d_grad]
+        model_sq = sum(jnp.sum(jnp.square(t)) for t in total)
+        meas_sq = sum(
+            jnp.sum(jnp.square(a.astype(jnp.float32) - b)) for a, b in zip(ga, g32)
+        )
+        axes = lambda d: tuple(range(1, d.ndim))  # noqa: E731
+        dots = sum(jnp.sum(t[None] * d, axes(d)) for t, d in zip(total, d_grad))
+        sq = sum(jnp.sum(jnp.square(d), axes(d)) for d in d_grad)
+        fit = jnp.sqrt(model_sq / jnp.maximum(meas_sq, 1e-30))
         vals = [v for st in sites for f in _FIELDS for v in getattr(st, f)]
         traced = list({id(v): v for v in vals if _traced(v)}.values())
         index.update((id(v), k) for k, v in enumerate(traced))
-        return [out[0][0], back, cts, g32, traced]
+        effect = (d_loss, dots, sq, model_sq, fit)
+        return [loss32, back, cts, g32, traced, effect]
 
-    compiled = jax.jit(run).lower(leaves).compile(_FAST_COMPILE)
-    loss32, back, cts, g32, vals = compiled(leaves)
+    compiled = jax.jit(run).lower(leaves, ga).compile(_FAST_COMPILE)
+    loss32, back, cts, g32, vals, effect = compiled(leaves, ga)
     for site in box[0]:
         for field in _FIELDS:
             got = [
@@ -497,7 +593,9 @@ def _compiled_walk(core, consts, leaves, wrt, ctx, edge, reduced, scale):
             ]
             setattr(site, field, got)
     back = np.asarray(back, np.float64)
-    return box[0], cts, g32, float(loss32), back
+    d_loss, dots, sq, model_sq, fit = (np.asarray(e, np.float64) for e in effect)
+    effect = (box[1], d_loss, dots, sq, float(model_sq), float(fit))
+    return box[0], cts, g32, float(loss32), back, effect
 
 
 def _traced(v: Any) -> bool:
@@ -518,6 +616,14 @@ class PrecisionReport:
         grads: amp's gradient w.r.t. ``args[0]``'s float arrays (its
             structure, other leaves None).
         grads32: float32's gradient, the same structure.
+        removed: ``{"grad": {scope: share}, "loss": {scope: share}}``: the
+            estimated share of the error each scope's restoring removes
+            (:meth:`scopes`).
+        linear_fit: ``|sum_s dg_s| / |dg|``: the size of the ranking's
+            model of the gradient error (the sum of the scopes' propagated
+            errors ``dg_s``) against amp's measured one ``dg`` (near 1: the
+            model accounts for the error's size; far from 1: the ranking is a
+            poor guide, check it with :meth:`suggest`, which measures).
     """
 
     records: list
@@ -528,6 +634,8 @@ class PrecisionReport:
     grads: Any = None
     grads32: Any = None
     runner: Any = dataclasses.field(default=None, repr=False)
+    removed: dict = dataclasses.field(default_factory=dict)
+    linear_fit: float = float("nan")
 
     @property
     def grad_error(self) -> float:
@@ -540,24 +648,23 @@ class PrecisionReport:
         return abs(self.loss - self.loss32) / max(abs(self.loss32), 1e-30)
 
     def scopes(self, by: str = "grad") -> dict[str, float]:
-        """``{scope path: share}``, largest first: the sites' gradient
-        (``by="grad"``, added in quadrature) or loss (``by="loss"``, summed)
-        shares per ``named_scope`` path."""
+        """``{scope path: share of the error removed}``, largest first: per
+        ``named_scope`` path (one entry for all the scan iterations of a
+        scope), the estimated share of amp's squared gradient error
+        (``by="grad"``) or of its loss error (``by="loss"``) that running
+        the scope's reduced-precision equations as float32 does would remove
+        (what overriding the scope in the policy buys; see
+        :func:`jaxamp.precision_report`). A share can be negative (errors of
+        the scope cancel others') or, for the loss, above the other scopes'
+        sum."""
         if by not in ("grad", "loss"):
             raise ValueError(f"scopes(by=...) is 'grad' or 'loss', got {by!r}.")
-        out: dict[str, float] = {}
-        for r in self.records:
-            if by == "grad":
-                out[r.scope] = out.get(r.scope, 0.0) + r.grad_share**2
-            else:
-                out[r.scope] = out.get(r.scope, 0.0) + r.loss_share
-        if by == "grad":
-            out = {k: v**0.5 for k, v in out.items()}
-        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+        return dict(sorted(self.removed[by].items(), key=lambda kv: -kv[1]))
 
     def top(self, k: int = 5, by: str = "grad") -> list[str]:
-        """The ``k`` scope paths with the largest share of the gradient
-        (``by="grad"``) or loss (``by="loss"``) error, largest first."""
+        """The ``k`` scope paths whose restoring removes the largest share of
+        the gradient (``by="grad"``) or loss (``by="loss"``) error, largest
+        first (:meth:`scopes`)."""
         return list(self.scopes(by))[:k]
 
     def suggest(

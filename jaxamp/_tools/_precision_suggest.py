@@ -205,19 +205,19 @@ def suggest(
 
 
 def _predicted(report, shares, grad_error, loss_error, max_overrides) -> int:
-    """How many of the ranked scopes the first-order shares say are needed."""
+    """How many of the ranked scopes the estimated shares of the error they
+    remove (:meth:`jaxamp.PrecisionReport.scopes`) say are needed."""
     vals = list(shares.values())
     if grad_error is not None:
         now, target, sq = report.grad_error, grad_error, True
     else:
         now, target, sq = report.loss_error, loss_error, False
-    total = sum(v**2 if sq else v for v in vals)
-    if now <= target or not total:
+    if now <= target or not vals:
         return 0
     removed = 0.0
     for n, v in enumerate(vals[:max_overrides], 1):
-        removed += v**2 if sq else v
-        left = max(0.0, 1.0 - removed / total)
+        removed += v
+        left = max(0.0, 1.0 - removed)
         if now * (left**0.5 if sq else left) <= target:
             return n
     return min(max_overrides, len(vals))

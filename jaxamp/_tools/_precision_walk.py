@@ -165,16 +165,29 @@ class DiffVisitor(_Visitor):
 
 class ProbeVisitor(_Visitor):
     """Float32 values; adds ``probes[k]`` to the float outputs of the k-th
-    leaf (the order of :class:`DiffVisitor`'s sites)."""
+    leaf (the order of :class:`DiffVisitor`'s sites) and, where
+    ``back[k]`` is given, ``<back[k][j], x_j>`` over its float inputs to
+    :attr:`extra`: a term whose gradient adds ``back[k][j]`` to the
+    cotangent of input ``j``, as an error of the equation's backward pass
+    does."""
 
-    def __init__(self, probes: list | None):
+    def __init__(self, probes: list | None, back: list | None = None):
         self.probes = probes
+        self.back = back
         self.shapes: list[list] = []
+        self.in_shapes: list[list] = []
+        self.extra = jnp.float32(0)
 
     def leaf(self, eqn, facts, ctx, scopes, iteration, invals):
         outs = bind_eqn(eqn, invals)
         k = len(self.shapes)
         self.shapes.append([jax.typeof(outs[i]) for i in _float_outs(outs)])
+        fi = _float_outs(invals)
+        self.in_shapes.append([jax.typeof(invals[i]) for i in fi])
+        if self.back is not None and self.back[k] is not None:
+            for j, i in enumerate(fi):
+                r = self.back[k][j]
+                self.extra = self.extra + jnp.vdot(r, invals[i].astype(r.dtype))
         if self.probes is not None:
             for j, i in enumerate(_float_outs(outs)):
                 outs[i] = outs[i] + self.probes[k][j]
@@ -254,17 +267,22 @@ def _unroll(visitor, eqn, structure: Structure, f, invals, ctx, iteration) -> li
     return result
 
 
-def probe_cotangents(
-    core: Any,
-    consts: list,
-    leaves: list,
-    wrt: list[int],
-    ctx: AmpContext,
-    edge: tuple,
-) -> tuple[list[list], list]:
-    """Every site's float32 cotangent ``dL/dy`` (its float outputs) and the
-    float32 gradient w.r.t. ``leaves[i]`` for ``i`` in ``wrt``, from one
-    backward pass through the traversal with zero probes added.
+def probe_shapes(core, consts, leaves, ctx, edge) -> ProbeVisitor:
+    """The traversal run on avals: its sites' float output and input avals."""
+    v = ProbeVisitor(None)
+    jax.eval_shape(lambda *xs: traverse(v, core, consts, list(xs), ctx, edge), *leaves)
+    return v
+
+
+def probed_gradient(core, consts, leaves, wrt, ctx, edge) -> Callable:
+    """``G(params, probes, back) -> (loss, (gradient, cotangents))``: the
+    float32 loss with ``probes`` added to the sites' float outputs, its
+    gradient w.r.t. ``params`` (the leaves ``wrt``) with ``back`` added to
+    the cotangents of the sites' float inputs (:class:`ProbeVisitor`;
+    ``back[k]`` None for a site without one) and w.r.t. ``probes`` (every
+    site's cotangent ``dL/dy``). Linear in ``(probes, back)`` to first order:
+    its JVP in the direction of a scope's local errors is the change of the
+    loss and of the gradient they cause through the rest of the step.
 
     Args:
         core: the float32 jaxpr of the flattened function (loss first).
@@ -273,38 +291,33 @@ def probe_cotangents(
         wrt: indices of the leaves to differentiate (the parameters).
         ctx: the amp context (only its pipeline is read: the facts).
         edge: the facts boundary of the function's outputs.
-
-    Returns:
-        ``(cotangents, gradient)``: per site (:class:`DiffVisitor` order), per
-        float output, the cotangent; the gradient per ``wrt`` leaf.
     """
-    shapes_v = ProbeVisitor(None)
-    jax.eval_shape(
-        lambda *xs: traverse(shapes_v, core, consts, list(xs), ctx, edge), *leaves
-    )
-    zeros = [[jnp.zeros(a.shape, a.dtype) for a in s] for s in shapes_v.shapes]
 
-    def loss(params, probes):
+    def loss(params, probes, back):
         args = list(leaves)
         for i, p in zip(wrt, params):
             args[i] = p
-        out = traverse(ProbeVisitor(probes), core, consts, args, ctx, edge)
-        return out[0].astype(jnp.float32)
+        v = ProbeVisitor(probes, back)
+        out = traverse(v, core, consts, args, ctx, edge)[0].astype(jnp.float32)
+        return out + v.extra, out
 
-    grads, cts = jax.grad(loss, (0, 1))([leaves[i] for i in wrt], zeros)
-    return cts, grads
+    def G(params, probes, back):
+        grads, out = jax.grad(loss, (0, 1), has_aux=True)(params, probes, back)
+        return out, grads
+
+    return G
 
 
 def _float_inputs(site: Site) -> list[int]:
     return [i for i, x in enumerate(site.x32) if is_float(getattr(x, "dtype", None))]
 
 
-def vjp_error(site: Site, prim: list, g: list, scale: float) -> jax.Array:
-    """``|amp VJP - float32 VJP|`` (L2 over the float inputs, a float32
-    scalar) of ``site``'s equation at its float32 inputs (``prim``: the float
-    ones), for cotangent ``g`` of its float outputs: the equation's local
-    backward-pass error. ``scale`` (a float16 loss scale) multiplies ``g``
-    for amp's VJP and divides its result, as loss scaling does."""
+def vjp_delta(site: Site, prim: list, g: list, scale: float) -> list:
+    """``VJP_amp - VJP_32`` (float32, one array per float input) of
+    ``site``'s equation at its float32 inputs (``prim``: the float ones), for
+    cotangent ``g`` of its float outputs: the equation's local backward-pass
+    error. ``scale`` (a float16 loss scale) multiplies ``g`` for amp's VJP
+    and divides its result, as loss scaling does."""
     idx = _float_inputs(site)
     fo = _float_outs(site.y32)
 
@@ -322,22 +335,29 @@ def vjp_error(site: Site, prim: list, g: list, scale: float) -> jax.Array:
     _, va = jax.vjp(call(site.run_amp), *prim)
     ct32 = v32(list(g))
     cta = va([x * np.float32(scale) for x in g])
-    err = sum(
-        jnp.sum(jnp.square(a.astype(jnp.float32) / np.float32(scale) - b))
+    return [
+        a.astype(jnp.float32) / np.float32(scale) - b.astype(jnp.float32)
         for a, b in zip(cta, ct32)
-    )
-    return jnp.sqrt(err)
+    ]
 
 
-def backward_errors(
+def backward_deltas(
     sites: list[Site], cts: list, chosen: list[bool], scale: float
-) -> jax.Array:
-    """:func:`vjp_error` of each site where ``chosen`` (0 elsewhere, and for
-    a site without float inputs or outputs), a float32 vector."""
-    out = [
-        vjp_error(st, [st.x32[i] for i in _float_inputs(st)], g, scale)
+) -> list:
+    """:func:`vjp_delta` of each site where ``chosen`` (None elsewhere, and
+    for a site without float inputs or outputs)."""
+    return [
+        vjp_delta(st, [st.x32[i] for i in _float_inputs(st)], g, scale)
         if c and _float_inputs(st) and _float_outs(st.y32)
-        else jnp.float32(0)
+        else None
         for st, g, c in zip(sites, cts, chosen)
+    ]
+
+
+def norms(deltas: list) -> jax.Array:
+    """The L2 norm of each site's deltas (0 for None), a float32 vector."""
+    out = [
+        jnp.sqrt(sum(jnp.sum(jnp.square(d)) for d in ds)) if ds else jnp.float32(0)
+        for ds in deltas
     ]
     return jnp.stack(out) if out else jnp.zeros((0,), jnp.float32)
