@@ -401,3 +401,76 @@ def test_custom_vjp_primal_body_is_walked():
     assert prims[:2] == [("dot_general", "cv", "bfloat16"), ("tanh", "cv", "float32")]
     assert report.top(1) == ["cv"]
     assert 1e-4 < report.grad_error < 5e-2
+
+
+@pytest.fixture(scope="module")
+def loop_reports():
+    # A checkpointed scan over layers, a reversed scan inside it and a
+    # fori_loop with a static trip count: walked as loops (each body traced
+    # once) and unrolled (one site per equation and iteration, the reference).
+    from jaxamp._tools import _precision_walk
+
+    params = _gpt_params(jax.random.key(3))
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *params["layers"])
+
+    def loss(p, x, y):
+        @jax.checkpoint
+        def body(h, w):
+            with jax.named_scope("block"):
+                h = _block(h, w, "mlp")
+            with jax.named_scope("mix"):
+                h, _ = jax.lax.scan(
+                    lambda c, s: (jnp.tanh(c @ w["o"]) * s + c, None),
+                    h,
+                    jnp.array([0.5, 0.25]),
+                    reverse=True,
+                )
+            return h, None
+
+        h, _ = jax.lax.scan(body, p["emb"][x], p["layers"])
+        with jax.named_scope("head"):
+            h = jax.lax.fori_loop(0, 2, lambda i, c: _ln(c) + c, h)
+            return _xent(_ln(h) @ p["head"], y)
+
+    x, y = _batch()
+    p = {**params, "layers": stacked}
+    out = {}
+    try:
+        for unroll in (False, True):
+            _precision_walk.UNROLL = unroll
+            out[unroll] = jaxamp.precision_report(loss, p, x, y)
+    finally:
+        _precision_walk.UNROLL = False
+    return out
+
+
+def test_loops_walked_once_match_the_unrolled_walk(loop_reports):
+    looped, unrolled = loop_reports[False], loop_reports[True]
+    key = lambda r: (r.scope, r.iteration, r.primitive, r.format, r.source)  # noqa: E731
+    assert [key(r) for r in looped.records] == [key(r) for r in unrolled.records]
+    its = {r.iteration for r in looped.records if r.scope == "mix"}
+    assert its == {(i, j) for i in range(L) for j in range(2)}
+    assert {r.iteration for r in looped.records if r.scope == "head"} == {
+        (),
+        (0,),
+        (1,),
+    }
+    for r, q in zip(looped.records, unrolled.records):
+        for f in ("local_error", "overflow", "underflow", "peak", "loss_share"):
+            np.testing.assert_allclose(getattr(r, f), getattr(q, f), 1e-3, 1e-8)
+        np.testing.assert_allclose(r.grad_share, q.grad_share, 2e-2, 1e-8)
+        # Values carried through a loop are XLA's loop program's, as amp's
+        # are, not the unrolled program's; after the fori_loop they part.
+        if r.scope != "head":
+            np.testing.assert_allclose(
+                r.propagated_error, q.propagated_error, 5e-2, 1e-4
+            )
+    # The walked loss is amp's own: its error is the measured loss error.
+    assert looped.records[-1].primitive == "div"
+    np.testing.assert_allclose(
+        looped.records[-1].propagated_error, looped.loss_error, 1e-3
+    )
+    got, want = looped.scopes("grad"), unrolled.scopes("grad")
+    assert list(got) == list(want)
+    np.testing.assert_allclose(list(got.values()), list(want.values()), 0, 5e-2)
+    assert looped.grad_errors == pytest.approx(unrolled.grad_errors, rel=1e-4)

@@ -45,6 +45,7 @@ from .._policy._rules import default_amp_policy
 from .._walk._loop import AmpContext
 from . import _precision_plot, _precision_suggest
 from ._precision_walk import (
+    _FIELDS,
     DiffVisitor,
     Site,
     backward_deltas,
@@ -197,7 +198,11 @@ def _format(site: Site, cache: dict) -> tuple[str, bool]:
     enclosing scopes) in ``cache``."""
     key = (id(site.eqn), site.scopes)
     if key not in cache:
-        closed = jax.make_jaxpr(site.run_amp)([jax.typeof(x) for x in site.x32])
+        n = len(site.stack)
+        avals = [
+            jax.ShapeDtypeStruct(np.shape(x)[n:], jnp.result_type(x)) for x in site.x32
+        ]
+        closed = jax.make_jaxpr(site.run_amp)(avals)
         fmt, reduced = "float32", False
         for eqn in closed.jaxpr.eqns + _inner(closed.jaxpr):
             ops = [np.dtype(v.aval.dtype) for v in eqn.invars]
@@ -393,6 +398,8 @@ def precision_report(
             f"{group_depth!r}; 1 groups parameters by their top-level keys."
         )
     cd = canonical_dtype(compute_dtype, argname="compute_dtype")
+    out = jax.eval_shape(lambda: loss_fn(*args, **kwargs))
+    _check_loss(out[0] if has_aux else out)
     scale = float(loss_scale or (2.0**15 if cd == np.float16 else 1.0))
     # amp's own step first (jitted as the user's step is): its gradient is the
     # error the ranking apportions.
@@ -451,6 +458,14 @@ def _assemble(runner, records, group_depth, lossa, ga, effect) -> PrecisionRepor
     )
 
 
+def _check_loss(loss: Any) -> None:
+    if not (jnp.ndim(loss) == 0 and jnp.issubdtype(loss.dtype, jnp.floating)):
+        raise ValueError(
+            "precision_report: loss_fn must return a float scalar (or "
+            f"(loss, aux) with has_aux=True), got {jax.typeof(loss)}."
+        )
+
+
 def _walk(fn, args, kwargs, cd, policy, has_aux, cache, scale, ga):
     """Trace ``fn``; the differential walk's sites, their float32
     cotangents, the float32 gradient (leaves of ``args[0]``'s float arrays),
@@ -464,13 +479,7 @@ def _walk(fn, args, kwargs, cd, policy, has_aux, cache, scale, ga):
     def flat(*xs):
         a, kw = eqx.combine(jax.tree_util.tree_unflatten(treedef, xs), static)
         out = fn(*a, **kw)
-        loss = out[0] if has_aux else out
-        if not (jnp.ndim(loss) == 0 and jnp.issubdtype(loss.dtype, jnp.floating)):
-            raise ValueError(
-                "precision_report: loss_fn must return a float scalar (or "
-                f"(loss, aux) with has_aux=True), got {jax.typeof(loss)}."
-            )
-        return [loss]
+        return [out[0] if has_aux else out]
 
     core, consts = _compat.jaxpr_parts(jax.make_jaxpr(flat)(*leaves))
     ctx = AmpContext(cd, AmpPolicy(policy), DEFAULT_PIPELINE)
@@ -479,7 +488,6 @@ def _walk(fn, args, kwargs, cd, policy, has_aux, cache, scale, ga):
     return _compiled_walk(core, consts, leaves, wrt, ctx, edge, reduced, scale, ga)
 
 
-_FIELDS = ("x32", "y32", "local", "amp")
 # The analysis runs once: XLA:CPU's LLVM optimisations would cost more compile
 # time than they save (the rounding of each operation is XLA's, not LLVM's).
 _FAST_COMPILE = {"xla_backend_optimization_level": 0}
@@ -535,13 +543,13 @@ def _compiled_walk(core, consts, leaves, wrt, ctx, edge, reduced, scale, ga):
             [jnp.zeros(a.shape, jnp.float32) for a in sh] if c else None
             for sh, c in zip(shapes.in_shapes, chosen)
         ]
-        G = probed_gradient(core, consts, xs, wrt, ctx, edge)
+        G = probed_gradient(core, consts, xs, wrt, ctx, edge, shapes.counts)
         params = [xs[i] for i in wrt]
         (loss32, (g32, cts)), lin = jax.linearize(
             lambda fp, bp: G(params, fp, bp), fp0, bp0
         )
         deltas = backward_deltas(sites, cts, chosen, scale)
-        back = norms(deltas)
+        back = norms(sites, deltas)
         names = [scope_path(st.scopes) for st in sites]
         scopes = list(dict.fromkeys(n for n, c in zip(names, chosen) if c))
         box.append(scopes)
@@ -592,10 +600,41 @@ def _compiled_walk(core, consts, leaves, wrt, ctx, edge, reduced, scale, ga):
                 vals[index[id(v)]] if _traced(v) else v for v in getattr(site, field)
             ]
             setattr(site, field, got)
-    back = np.asarray(back, np.float64)
+    sites, cts, back = _per_iteration(box[0], cts, back)
     d_loss, dots, sq, model_sq, fit = (np.asarray(e, np.float64) for e in effect)
     effect = (box[1], d_loss, dots, sq, float(model_sq), float(fit))
-    return box[0], cts, g32, float(loss32), back, effect
+    return sites, cts, g32, float(loss32), back, effect
+
+
+def _place(o: int | None, it: Any) -> int:
+    """An entry of :attr:`Site.order` with the iteration filled in."""
+    if o is None:
+        return next(it)
+    return -o - 1 - next(it) if o < 0 else o  # a reversed loop: trips - 1 - t
+
+
+def _per_iteration(sites: list, cts: list, back: list) -> tuple[list, list, list]:
+    """Sites traced once in a loop (values stacked per iteration) as one
+    site per iteration, with their cotangents and backward errors, in the
+    order an unrolled walk visits them (:attr:`Site.order`)."""
+    rows = []
+    for st, g, b in zip(sites, cts, back):
+        b = np.asarray(b, np.float64)
+        if not st.stack:
+            rows.append((st.order, st, g, float(b)))
+            continue
+        for t in np.ndindex(*st.stack):
+            it = iter(t)
+            order = tuple(_place(o, it) for o in st.order)
+            one = dataclasses.replace(
+                st,
+                iteration=(*st.iteration, *t),
+                stack=(),
+                **{f: [np.asarray(v)[t] for v in getattr(st, f)] for f in _FIELDS},
+            )
+            rows.append((order, one, [np.asarray(x)[t] for x in g], float(b[t])))
+    rows.sort(key=lambda r: r[0])
+    return [r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows]
 
 
 def _traced(v: Any) -> bool:

@@ -61,6 +61,12 @@ class Site:
         y32: its float32 outputs.
         local: the amp step's outputs on ``x32``.
         amp: the amp step's outputs on amp's inputs.
+        stack: the trip counts of the loops the site was traced in once
+            (outermost first): every value above has these leading axes,
+            one entry per iteration (empty outside a loop).
+        order: its place in an unrolled walk: positions in the enclosing
+            traversals, a None before each loop body's position standing for
+            that loop's iteration (``-trips`` for a loop run in reverse).
     """
 
     eqn: Any
@@ -72,6 +78,8 @@ class Site:
     y32: list
     local: list
     amp: list
+    stack: tuple = ()
+    order: tuple = ()
 
     def run_amp(self, invals: list) -> list:
         """The amp interpreter step on ``invals`` (a list of outputs)."""
@@ -99,6 +107,9 @@ def _float_outs(outs: list) -> list[int]:
     return [i for i, y in enumerate(outs) if is_float(getattr(y, "dtype", None))]
 
 
+_FIELDS = ("x32", "y32", "local", "amp")
+
+
 class _Visitor:
     """What the traversal does with values: pairs (float32, amp) in the
     differential walk, float32 tracers in the probe pass."""
@@ -121,6 +132,74 @@ class _Visitor:
     def stack(self, vals: list):
         return jnp.stack(vals)
 
+    def loop(self, eqn, structure, f, invals, ctx, iteration) -> list:
+        """A loop with a static trip count, its body traced once (a scan)."""
+        raise NotImplementedError
+
+
+# Loops are walked as loops (their body traced once); True unrolls them, one
+# site per equation and iteration (the reference the tests compare against).
+UNROLL = False
+
+
+def _loop_parts(visitor, eqn, structure, f, invals, ctx):
+    """``(sub, core, consts, args, boundary)`` of a loop equation: its body,
+    the body's operands with the carries' first values chosen by
+    ``visitor.carry``."""
+    (sub,) = structure.subs
+    core, sc = _compat.jaxpr_parts(sub.jaxpr)
+    args = [invals[i] for i in sub.inputs]
+    carried = [j for _, j in sub.carries]
+    first = visitor.carry(eqn, f, ctx, [args[j] for j in carried])
+    for j, c in zip(carried, first):
+        args[j] = c
+    return sub, core, sc, args, f.boundary_for(sub.jaxpr)
+
+
+def _as_array(x: Any, like: Any = None) -> jax.Array:
+    """``x`` as a strongly typed array (of ``like``'s dtype if given): a loop
+    carry keeps one type."""
+    dtype = jnp.result_type(x) if like is None else like.dtype
+    return jax.lax.convert_element_type(jnp.asarray(x), dtype)
+
+
+def scan_loop(visitor, eqn, structure, f, invals, ctx, body_fn):
+    """Run a loop equation as ``lax.scan``: carries and sliced operands as
+    the description says; ``body_fn(step_args) -> (outs, extra_ys)`` traverses
+    the body once. Returns ``(equation outputs, stacked extra_ys)``."""
+    sub, core, sc, args, boundary = _loop_parts(visitor, eqn, structure, f, invals, ctx)
+    carried = [j for _, j in sub.carries]
+    conv = lambda x, like=None: jax.tree.map(
+        _as_array, x, *(() if like is None else (like,))
+    )  # noqa: E731
+    init = [conv(args[j]) for j in carried]
+    xs = [args[j] for j in sub.sliced]
+
+    def body(carry, x):
+        step = list(args)
+        for j, c in zip(carried, carry):
+            step[j] = c
+        for j, v in zip(sub.sliced, x):
+            step[j] = v
+        outs, extra = body_fn(core, sc, step, boundary)
+        new = [conv(outs[k], c) for (k, _), c in zip(sub.carries, carry)]
+        ys = [outs[k] for k in sub.stacked]
+        return new, (ys, extra)
+
+    last, (ys, extra) = jax.lax.scan(
+        body, init, xs, length=structure.trips, reverse=structure.reverse
+    )
+    result: list = [None] * len(eqn.outvars)
+    carry_of = {k: c for (k, _), c in zip(sub.carries, last)}
+    for k, o in enumerate(sub.outputs):
+        if o is None:
+            continue
+        if k in sub.stacked:
+            result[o] = ys[sub.stacked.index(k)]
+        else:
+            result[o] = visitor.restore(carry_of[k], eqn.outvars[o].aval)
+    return result, extra
+
 
 class DiffVisitor(_Visitor):
     """Values are ``(float32, amp)`` pairs; records a :class:`Site` per leaf."""
@@ -128,6 +207,7 @@ class DiffVisitor(_Visitor):
     def __init__(self, reduced: Callable[[Site], bool]):
         self.sites: list[Site] = []
         self.reduced = reduced
+        self.n = 0  # positions given so far (a loop takes one)
 
     def leaf(self, eqn, facts, ctx, scopes, iteration, invals):
         x32 = [v[0] for v in invals]
@@ -135,10 +215,34 @@ class DiffVisitor(_Visitor):
         y32 = bind_eqn(eqn, x32)
         ya = amp_step(eqn, facts, ctx, xa)
         site = Site(eqn, facts, ctx, scopes, iteration, x32, y32, y32, ya)
+        site.order = (self.n,)
+        self.n += 1
         if self.reduced(site):  # else amp's step on x32 is float32's
             site.local = amp_step(eqn, facts, ctx, x32)
         self.sites.append(site)
         return list(zip(y32, ya))
+
+    def loop(self, eqn, structure, f, invals, ctx, iteration):
+        box: list = []
+
+        def body_fn(core, sc, step, boundary):
+            inner = DiffVisitor(self.reduced)
+            outs = traverse(inner, core, sc, step, ctx, boundary, iteration)
+            box.append(inner.sites)
+            vals = [[list(getattr(st, k)) for k in _FIELDS] for st in inner.sites]
+            return outs, [[[_as_array(v) for v in vs] for vs in st] for st in vals]
+
+        outs, stacked = scan_loop(self, eqn, structure, f, invals, ctx, body_fn)
+        pos = self.n
+        self.n += 1
+        for st, vals in zip(box[0], stacked):
+            for k, v in zip(_FIELDS, vals):
+                setattr(st, k, v)
+            st.stack = (structure.trips, *st.stack)
+            mark = -structure.trips if structure.reverse else None
+            st.order = (pos, mark, *st.order)
+            self.sites.append(st)
+        return outs
 
     def carry(self, eqn, facts, ctx, carries):
         # The policy's rule for scan chooses amp's carry dtypes (bfloat16
@@ -171,12 +275,58 @@ class ProbeVisitor(_Visitor):
     cotangent of input ``j``, as an error of the equation's backward pass
     does."""
 
-    def __init__(self, probes: list | None, back: list | None = None):
+    def __init__(
+        self, probes: list | None, back: list | None = None, counts: dict | None = None
+    ):
         self.probes = probes
         self.back = back
         self.shapes: list[list] = []
         self.in_shapes: list[list] = []
         self.extra = jnp.float32(0)
+        # id of a loop equation -> how many sites its body has (a first pass
+        # on avals fills it; a probed pass reads it to hand the body its share).
+        self.counts = {} if counts is None else counts
+
+    def loop(self, eqn, structure, f, invals, ctx, iteration):
+        k0 = len(self.shapes)
+        n = self.counts.get(id(eqn))
+        if n is None and (self.probes is not None or self.back is not None):
+            raise AssertionError("probe_shapes runs before a probed pass")
+        box: list = []
+
+        def body_fn(core, sc, step, boundary):
+            step, probes, back = step[:-2], step[-2], step[-1]
+            inner = ProbeVisitor(probes, back, self.counts)
+            outs = traverse(inner, core, sc, step, ctx, boundary, iteration)
+            box.append(inner)
+            return outs, inner.extra
+
+        def take(xs):
+            return None if xs is None else xs[k0 : k0 + n]
+
+        # The body's probes ride along as two more sliced operands.
+        sub = structure.subs[0]
+        extra_ops = [take(self.probes), take(self.back)]
+        structure2 = dataclasses.replace(
+            structure,
+            subs=(
+                dataclasses.replace(
+                    sub,
+                    inputs=(*sub.inputs, len(invals), len(invals) + 1),
+                    sliced=(*sub.sliced, len(sub.inputs), len(sub.inputs) + 1),
+                ),
+            ),
+        )
+        outs, extra = scan_loop(
+            self, eqn, structure2, f, [*invals, *extra_ops], ctx, body_fn
+        )
+        inner = box[0]
+        self.counts[id(eqn)] = len(inner.shapes)
+        lift = lambda a: jax.ShapeDtypeStruct((structure.trips, *a.shape), a.dtype)  # noqa: E731
+        self.shapes.extend([[lift(a) for a in sh] for sh in inner.shapes])
+        self.in_shapes.extend([[lift(a) for a in sh] for sh in inner.in_shapes])
+        self.extra = self.extra + jnp.sum(extra)
+        return outs
 
     def leaf(self, eqn, facts, ctx, scopes, iteration, invals):
         outs = bind_eqn(eqn, invals)
@@ -223,7 +373,10 @@ def traverse(
             )
             outs = [visitor.restore(o, v.aval) for o, v in zip(outs, eqn.outvars)]
         elif structure is not None and structure.unrollable and structure.trips:
-            outs = _unroll(visitor, eqn, structure, f, invals, inner, iteration)
+            if UNROLL:
+                outs = _unroll(visitor, eqn, structure, f, invals, inner, iteration)
+            else:
+                outs = visitor.loop(eqn, structure, f, invals, inner, iteration)
         else:  # first-order, or run whole (a while loop, a conditional, ...)
             outs = visitor.leaf(eqn, f, ctx, scopes, iteration, invals)
         env.update(zip(eqn.outvars, outs))
@@ -241,7 +394,7 @@ def _unroll(visitor, eqn, structure: Structure, f, invals, ctx, iteration) -> li
     carried = [j for _, j in sub.carries]
     first = visitor.carry(eqn, f, ctx, [args[j] for j in carried])
     for j, c in zip(carried, first):
-        args[j] = c
+        args[j] = jax.tree.map(_as_array, c)
     boundary = f.boundary_for(sub.jaxpr)
     steps = range(structure.trips)
     ys = []
@@ -250,8 +403,8 @@ def _unroll(visitor, eqn, structure: Structure, f, invals, ctx, iteration) -> li
             visitor.index(x, t) if j in sub.sliced else x for j, x in enumerate(args)
         ]
         outs = traverse(visitor, core, sc, step, ctx, boundary, (*iteration, t))
-        for k, j in sub.carries:
-            args[j] = outs[k]
+        for k, j in sub.carries:  # a carry keeps its type, as in lax.scan
+            args[j] = jax.tree.map(_as_array, outs[k], args[j])
         ys.append(outs)
     if structure.reverse:
         ys.reverse()
@@ -274,7 +427,7 @@ def probe_shapes(core, consts, leaves, ctx, edge) -> ProbeVisitor:
     return v
 
 
-def probed_gradient(core, consts, leaves, wrt, ctx, edge) -> Callable:
+def probed_gradient(core, consts, leaves, wrt, ctx, edge, counts) -> Callable:
     """``G(params, probes, back) -> (loss, (gradient, cotangents))``: the
     float32 loss with ``probes`` added to the sites' float outputs, its
     gradient w.r.t. ``params`` (the leaves ``wrt``) with ``back`` added to
@@ -291,13 +444,14 @@ def probed_gradient(core, consts, leaves, wrt, ctx, edge) -> Callable:
         wrt: indices of the leaves to differentiate (the parameters).
         ctx: the amp context (only its pipeline is read: the facts).
         edge: the facts boundary of the function's outputs.
+        counts: :attr:`ProbeVisitor.counts` of a :func:`probe_shapes` pass.
     """
 
     def loss(params, probes, back):
         args = list(leaves)
         for i, p in zip(wrt, params):
             args[i] = p
-        v = ProbeVisitor(probes, back)
+        v = ProbeVisitor(probes, back, counts)
         out = traverse(v, core, consts, args, ctx, edge)[0].astype(jnp.float32)
         return out + v.extra, out
 
@@ -345,19 +499,40 @@ def backward_deltas(
     sites: list[Site], cts: list, chosen: list[bool], scale: float
 ) -> list:
     """:func:`vjp_delta` of each site where ``chosen`` (None elsewhere, and
-    for a site without float inputs or outputs)."""
-    return [
-        vjp_delta(st, [st.x32[i] for i in _float_inputs(st)], g, scale)
-        if c and _float_inputs(st) and _float_outs(st.y32)
-        else None
-        for st, g, c in zip(sites, cts, chosen)
-    ]
+    for a site without float inputs or outputs); a site traced once in a
+    loop has it per iteration (``vmap`` over its stacked values: traced
+    once)."""
+    out = []
+    for st, g, c in zip(sites, cts, chosen):
+        if not (c and _float_inputs(st) and _float_outs(st.y32)):
+            out.append(None)
+            continue
+        idx = _float_inputs(st)
+        if not st.stack:
+            out.append(vjp_delta(st, [st.x32[i] for i in idx], g, scale))
+            continue
+        n = len(st.stack)
+        flat = lambda v, n=n: v.reshape((-1, *v.shape[n:]))  # noqa: E731
+
+        def one(xs_g, st=st, idx=idx):
+            x32, g = xs_g
+            one_site = dataclasses.replace(st, x32=x32, stack=())
+            return vjp_delta(one_site, [x32[i] for i in idx], g, scale)
+
+        got = jax.vmap(one)(([flat(x) for x in st.x32], [flat(x) for x in g]))
+        out.append([d.reshape((*st.stack, *d.shape[1:])) for d in got])
+    return out
 
 
-def norms(deltas: list) -> jax.Array:
-    """The L2 norm of each site's deltas (0 for None), a float32 vector."""
-    out = [
-        jnp.sqrt(sum(jnp.sum(jnp.square(d)) for d in ds)) if ds else jnp.float32(0)
-        for ds in deltas
-    ]
-    return jnp.stack(out) if out else jnp.zeros((0,), jnp.float32)
+def norms(sites: list[Site], deltas: list) -> list:
+    """The L2 norm of each site's deltas (0 for None): a float32 scalar, or
+    per iteration for a site traced once in a loop."""
+    out = []
+    for st, ds in zip(sites, deltas):
+        if not ds:
+            out.append(jnp.zeros(st.stack, jnp.float32))
+            continue
+        n = len(st.stack)
+        sq = [jnp.sum(jnp.square(d), tuple(range(n, d.ndim))) for d in ds]
+        out.append(jnp.sqrt(sum(sq)))
+    return out
