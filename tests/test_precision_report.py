@@ -474,3 +474,41 @@ def test_loops_walked_once_match_the_unrolled_walk(loop_reports):
     assert list(got) == list(want)
     np.testing.assert_allclose(list(got.values()), list(want.values()), 0, 5e-2)
     assert looped.grad_errors == pytest.approx(unrolled.grad_errors, rel=1e-4)
+
+
+def _fake_report(layers):
+    from jaxamp._tools._precision_report import SiteRecord
+
+    def rec(scope, it, share):
+        return SiteRecord(
+            scope, it, "dot_general", "matmul", "", "bfloat16",
+            *(0.0,) * 6, 0.0, share,
+        )  # fmt: skip
+
+    recs = [rec("", (), 0.5)]
+    for t in range(layers):
+        recs += [
+            rec("attn", (t,), 1.0 + t),
+            rec("mlp", (t,), 2.0),
+            rec("mlp", (t,), 2.0),
+        ]
+    recs.append(rec("head", (), 3.0))
+    return jaxamp.PrecisionReport(recs, 0.0, 0.0, {"total": 0.0}, "bfloat16")
+
+
+def test_heatmap_rows_follow_the_model_and_stay_readable_when_deep():
+    from jaxamp._tools._precision_plot import heat
+
+    rows, cells = heat(_fake_report(3))
+    assert rows == [
+        "(no scope)", "attn [0]", "mlp [0]", "attn [1]", "mlp [1]", "attn [2]",
+        "mlp [2]", "head",
+    ]  # fmt: skip
+    assert cells[2][0] == pytest.approx(8**0.5)  # two mlp matmuls in quadrature
+    rows, cells = heat(_fake_report(48), max_rows=48)
+    assert len(rows) <= 48
+    # 98 rows of one iteration each; 2 per row would still be 50.
+    assert len(rows) == 34
+    assert rows[:3] == ["(no scope)", "attn [0-2]", "mlp [0-2]"]
+    assert rows[-2:] == ["mlp [45-47]", "head"]
+    assert cells[1][0] == pytest.approx((1.0 + 4.0 + 9.0) ** 0.5)

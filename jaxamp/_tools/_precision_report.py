@@ -45,7 +45,7 @@ from .._policy._rules import default_amp_policy
 from .._walk._loop import AmpContext
 from . import _precision_plot, _precision_suggest
 from ._precision_walk import (
-    _FIELDS,
+    _SENTINEL,
     DiffVisitor,
     Site,
     backward_deltas,
@@ -142,12 +142,6 @@ def _sq(x: Any) -> float:
     return float(np.sum(np.square(np.asarray(x, np.float64))))
 
 
-# Float32 values in float32's top binade (``jnp.finfo(jnp.float32).min``, the
-# attention-mask value) are sentinels: a low-precision format holds them as the
-# same-signed infinity, which masks as well (softmax gives 0 either way).
-_SENTINEL = 2.0**127
-
-
 def _saturated(got: Any, want: Any) -> np.ndarray:
     """Where ``got`` holds ``want``'s sentinel as a same-signed infinity (or
     both are that infinity): a masked value, not an error."""
@@ -176,21 +170,6 @@ def _rel(got: list, want: list) -> float:
     return (num / den) ** 0.5 if den else float(num > 0)
 
 
-def _fractions(local: list, want: list) -> list[float]:
-    n = sum(int(np.size(w)) for w in want) or 1
-    over = under = 0
-    peak = 0.0
-    for lo, w in zip(local, want):
-        lo64, w64 = np.asarray(lo, np.float64), np.asarray(w, np.float64)
-        fin = np.isfinite(w64) & ~_saturated(lo64, w64)
-        over += int(np.sum(~np.isfinite(lo64) & fin))
-        under += int(np.sum((lo64 == 0) & (w64 != 0) & fin))
-        if w64.size:
-            keep = fin & (np.abs(w64) < _SENTINEL)
-            peak = max(peak, float(np.max(np.abs(np.where(keep, w64, 0)))))
-    return [over / n, under / n, peak]
-
-
 def _format(site: Site, cache: dict) -> tuple[str, bool]:
     """``(format, reduced)``: the narrowest dtype amp's step computes in (an
     8-bit format of a product where it has one) and whether any value of the
@@ -200,7 +179,10 @@ def _format(site: Site, cache: dict) -> tuple[str, bool]:
     if key not in cache:
         n = len(site.stack)
         avals = [
-            jax.ShapeDtypeStruct(np.shape(x)[n:], jnp.result_type(x)) for x in site.x32
+            jax.ShapeDtypeStruct(
+                np.shape(x)[n:], getattr(x, "dtype", None) or jnp.result_type(x)
+            )
+            for x in site.x32
         ]
         closed = jax.make_jaxpr(site.run_amp)(avals)
         fmt, reduced = "float32", False
@@ -229,26 +211,6 @@ def _inner(jaxpr: Any) -> list:
             core = _compat.jaxpr_parts(sub)[0]
             out.extend(core.eqns + _inner(core))
     return out
-
-
-def _site_stats(site: Site, g: list, reduced: bool) -> list[float]:
-    """Local and propagated error, overflow, underflow, peak and loss share
-    of one site (host-side, float64)."""
-    fo = [i for i, y in enumerate(site.y32) if is_float(getattr(y, "dtype", None))]
-    want = [site.y32[i] for i in fo]
-    if not want:
-        return [0.0] * 6
-    local = [site.local[i] for i in fo]
-    prop = _rel([site.amp[i] for i in fo], want)
-    if not reduced:  # amp's step is float32's: no local error
-        return [0.0, prop, 0.0, 0.0, _fractions(want, want)[2], 0.0]
-    loss_share = abs(
-        sum(
-            float(np.vdot(np.asarray(gi, np.float64), _diff(lo, w)[0]))
-            for gi, lo, w in zip(g, local, want)
-        )
-    )
-    return [_rel(local, want), prop, *_fractions(local, want), loss_share]
 
 
 def _site_meta(site: Site, cache: dict) -> tuple:
@@ -406,12 +368,11 @@ def precision_report(
     lossa, ga = amp_gradients(loss_fn, args, kwargs, cd, amp_policy, has_aux, scale)
     cache: dict = {}
     walk = _walk(loss_fn, args, kwargs, cd, amp_policy, has_aux, cache, scale, ga)
-    sites, cts, g32, loss32, back_all, effect = walk
-    reduced = [_format(st, cache)[1] for st in sites]
+    sites, stats, g32, loss32, back_all, effect = walk
     norm = sum(_sq(x) for x in g32) ** 0.5
     records = [
-        _record(_site_meta(st, cache), [*_site_stats(st, g, r), bk], norm)
-        for st, g, r, bk in zip(sites, cts, reduced, back_all)
+        _record(_site_meta(st, cache), [*row, bk], norm)
+        for st, row, bk in zip(sites, stats, back_all)
     ]
     runner = _precision_suggest.Runner(
         loss_fn, args, kwargs, cd, amp_policy, has_aux, scale, g32, loss32,
@@ -490,25 +451,18 @@ def _walk(fn, args, kwargs, cd, policy, has_aux, cache, scale, ga):
 
 # The analysis runs once: XLA:CPU's LLVM optimisations would cost more compile
 # time than they save (the rounding of each operation is XLA's, not LLVM's).
-_FAST_COMPILE = {"xla_backend_optimization_level": 0}
+_FAST_COMPILE = {}
 
 
-def _forward_delta(site: Site) -> list:
-    """``local - y32`` per float output of a reduced site (float32 avals of
-    ``y32``): sentinels held as infinities count 0 (:func:`_saturated`), an
-    overflow counts as the format's largest value, a NaN as 0."""
-    out = []
-    for i in [i for i, y in enumerate(site.y32) if is_float(getattr(y, "dtype", None))]:
-        lo, w = site.local[i], site.y32[i]
-        fmax = jnp.finfo(lo.dtype).max.astype(jnp.float32)
-        lo, w = lo.astype(jnp.float32), w.astype(jnp.float32)
-        sat = (
-            jnp.isinf(lo) & (jnp.abs(w) >= _SENTINEL) & (jnp.sign(lo) == jnp.sign(w))
-        ) | (jnp.isinf(w) & (lo == w))
-        d = jnp.clip(lo, -fmax, fmax) - w
-        d = jnp.where(sat | ~jnp.isfinite(d), 0.0, d)
-        out.append(d.astype(site.y32[i].dtype))
-    return out
+def _with_share(site: Site, g: list | None) -> jax.Array:
+    """The site's statistics (:func:`site_stats`) and its loss share
+    ``|<g, local - y32>|`` (per iteration for a loop's site): ``(*stack, 6)``."""
+    n = len(site.stack)
+    share = jnp.zeros(site.stack, jnp.float32)
+    for gi, d in zip(g or (), site.delta or ()):
+        prod = gi.astype(jnp.float32) * d.astype(jnp.float32)
+        share = share + jnp.sum(prod, tuple(range(n, d.ndim)))
+    return jnp.concatenate([site.stats, jnp.abs(share)[..., None]], -1)
 
 
 def _compiled_walk(core, consts, leaves, wrt, ctx, edge, reduced, scale, ga):
@@ -525,7 +479,6 @@ def _compiled_walk(core, consts, leaves, wrt, ctx, edge, reduced, scale, ga):
     errors and ``(scopes, loss change, <measured, change>, |change|^2,
     |measured|^2, linear-model residual)`` (per scope where indexed)."""
     box: list = []
-    index: dict = {}  # id of a traced value -> its position in the outputs
 
     def run(xs, ga):
         visitor = DiffVisitor(reduced)
@@ -538,7 +491,11 @@ def _compiled_walk(core, consts, leaves, wrt, ctx, edge, reduced, scale, ga):
             reduced(st) and bool(o) and bool(i)
             for st, o, i in zip(sites, shapes.shapes, shapes.in_shapes)
         ]
-        fp0 = [[jnp.zeros(a.shape, a.dtype) for a in sh] for sh in shapes.shapes]
+        # Probes only where amp's equation differs from float32's.
+        fp0 = [
+            [jnp.zeros(a.shape, a.dtype) for a in sh] if c else None
+            for sh, c in zip(shapes.shapes, chosen)
+        ]
         bp0 = [
             [jnp.zeros(a.shape, jnp.float32) for a in sh] if c else None
             for sh, c in zip(shapes.in_shapes, chosen)
@@ -560,10 +517,8 @@ def _compiled_walk(core, consts, leaves, wrt, ctx, edge, reduced, scale, ga):
             return [row.reshape((-1,) + (1,) * v.ndim) * v[None] for v in vals]
 
         tf = [
-            spread(k, _forward_delta(st))
-            if c
-            else [jnp.zeros((len(scopes), *a.shape), a.dtype) for a in sh]
-            for k, (st, c, sh) in enumerate(zip(sites, chosen, shapes.shapes))
+            spread(k, st.delta) if c else None
+            for k, (st, c) in enumerate(zip(sites, chosen))
         ]
         tb = [
             spread(k, d) if c else None for k, (d, c) in enumerate(zip(deltas, chosen))
@@ -586,24 +541,16 @@ def _compiled_walk(core, consts, leaves, wrt, ctx, edge, reduced, scale, ga):
         dots = sum(jnp.sum(t[None] * d, axes(d)) for t, d in zip(total, d_grad))
         sq = sum(jnp.sum(jnp.square(d), axes(d)) for d in d_grad)
         fit = jnp.sqrt(model_sq / jnp.maximum(meas_sq, 1e-30))
-        vals = [v for st in sites for f in _FIELDS for v in getattr(st, f)]
-        traced = list({id(v): v for v in vals if _traced(v)}.values())
-        index.update((id(v), k) for k, v in enumerate(traced))
+        stats = [_with_share(st, g) for st, g in zip(sites, cts)]
         effect = (d_loss, dots, sq, model_sq, fit)
-        return [loss32, back, cts, g32, traced, effect]
+        return [loss32, back, stats, g32, effect]
 
     compiled = jax.jit(run).lower(leaves, ga).compile(_FAST_COMPILE)
-    loss32, back, cts, g32, vals, effect = compiled(leaves, ga)
-    for site in box[0]:
-        for field in _FIELDS:
-            got = [
-                vals[index[id(v)]] if _traced(v) else v for v in getattr(site, field)
-            ]
-            setattr(site, field, got)
-    sites, cts, back = _per_iteration(box[0], cts, back)
+    loss32, back, stats, g32, effect = compiled(leaves, ga)
+    sites, stats, back = _per_iteration(box[0], stats, back)
     d_loss, dots, sq, model_sq, fit = (np.asarray(e, np.float64) for e in effect)
     effect = (box[1], d_loss, dots, sq, float(model_sq), float(fit))
-    return sites, cts, g32, float(loss32), back, effect
+    return sites, stats, g32, float(loss32), back, effect
 
 
 def _place(o: int | None, it: Any) -> int:
@@ -613,32 +560,23 @@ def _place(o: int | None, it: Any) -> int:
     return -o - 1 - next(it) if o < 0 else o  # a reversed loop: trips - 1 - t
 
 
-def _per_iteration(sites: list, cts: list, back: list) -> tuple[list, list, list]:
-    """Sites traced once in a loop (values stacked per iteration) as one
-    site per iteration, with their cotangents and backward errors, in the
+def _per_iteration(sites: list, stats: list, back: list) -> tuple[list, list, list]:
+    """Sites traced once in a loop (statistics stacked per iteration) as one
+    site per iteration, with their statistics and backward errors, in the
     order an unrolled walk visits them (:attr:`Site.order`)."""
     rows = []
-    for st, g, b in zip(sites, cts, back):
-        b = np.asarray(b, np.float64)
+    for st, row, b in zip(sites, stats, back):
+        row, b = np.asarray(row, np.float64), np.asarray(b, np.float64)
         if not st.stack:
-            rows.append((st.order, st, g, float(b)))
+            rows.append((st.order, st, row, float(b)))
             continue
         for t in np.ndindex(*st.stack):
             it = iter(t)
             order = tuple(_place(o, it) for o in st.order)
-            one = dataclasses.replace(
-                st,
-                iteration=(*st.iteration, *t),
-                stack=(),
-                **{f: [np.asarray(v)[t] for v in getattr(st, f)] for f in _FIELDS},
-            )
-            rows.append((order, one, [np.asarray(x)[t] for x in g], float(b[t])))
+            one = dataclasses.replace(st, iteration=(*st.iteration, *t))
+            rows.append((order, one, row[t], float(b[t])))
     rows.sort(key=lambda r: r[0])
     return [r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows]
-
-
-def _traced(v: Any) -> bool:
-    return _compat.is_tracer(v)
 
 
 @dataclasses.dataclass

@@ -64,6 +64,8 @@ class Site:
         stack: the trip counts of the loops the site was traced in once
             (outermost first): every value above has these leading axes,
             one entry per iteration (empty outside a loop).
+        stats: :func:`site_stats` (per iteration in a loop).
+        delta: :func:`forward_delta` of a reduced-precision site, else None.
         order: its place in an unrolled walk: positions in the enclosing
             traversals, a None before each loop body's position standing for
             that loop's iteration (``-trips`` for a loop run in reverse).
@@ -80,6 +82,8 @@ class Site:
     amp: list
     stack: tuple = ()
     order: tuple = ()
+    stats: Any = None
+    delta: list | None = None
 
     def run_amp(self, invals: list) -> list:
         """The amp interpreter step on ``invals`` (a list of outputs)."""
@@ -108,6 +112,75 @@ def _float_outs(outs: list) -> list[int]:
 
 
 _FIELDS = ("x32", "y32", "local", "amp")
+# Float32 values in float32's top binade (``jnp.finfo(jnp.float32).min``, the
+# attention-mask value) are sentinels: a low-precision format holds them as the
+# same-signed infinity, which masks as well (softmax gives 0 either way).
+_SENTINEL = 2.0**127
+
+
+def _sat(got: jax.Array, w: jax.Array) -> jax.Array:
+    """Where ``got`` holds ``w``'s sentinel as a same-signed infinity."""
+    same = jnp.sign(got) == jnp.sign(w)
+    return (jnp.isinf(got) & (jnp.abs(w) >= _SENTINEL) & same) | (
+        jnp.isinf(w) & (got == w)
+    )
+
+
+def _diff(got: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    m = _sat(got, w)
+    return jnp.where(m, 0.0, got - jnp.where(m, 0.0, w)), jnp.where(m, 0.0, w)
+
+
+def site_stats(site: Site, reduced: bool) -> jax.Array:
+    """Local and propagated relative L2 error, overflow and underflow
+    fractions and the peak float32 magnitude of a site's float outputs, a
+    float32 vector of 5 (float32 arithmetic, traced with the walk).
+    Sentinels held as infinities count as exact and leave the norms (and the
+    overflow count); overflow counts amp's non-finite values where
+    float32's are finite, underflow its zeros where float32's are not."""
+    fo = _float_outs(site.y32)
+    if not fo:
+        return jnp.zeros(5, jnp.float32)
+    f32 = lambda v: jnp.asarray(v).astype(jnp.float32)  # noqa: E731
+    want = [f32(site.y32[i]) for i in fo]
+
+    def rel(got):
+        pairs = [_diff(f32(x), w) for x, w in zip(got, want)]
+        num = sum(jnp.sum(jnp.square(d)) for d, _ in pairs)
+        den = sum(jnp.sum(jnp.square(w)) for _, w in pairs)
+        safe = jnp.where(den > 0, den, 1.0)
+        return jnp.where(den > 0, jnp.sqrt(num / safe), (num > 0).astype(jnp.float32))
+
+    local = [f32(site.local[i]) for i in fo]
+    prop = rel([site.amp[i] for i in fo])
+    size = np.float32(sum(w.size for w in want) or 1)
+    over = under = peak = jnp.float32(0)
+    for lo, w in zip(local, want):
+        fin = jnp.isfinite(w) & ~_sat(lo, w)
+        over = over + jnp.sum(~jnp.isfinite(lo) & fin, dtype=jnp.float32)
+        under = under + jnp.sum((lo == 0) & (w != 0) & fin, dtype=jnp.float32)
+        keep = fin & (jnp.abs(w) < _SENTINEL)
+        if w.size:
+            peak = jnp.maximum(peak, jnp.max(jnp.abs(jnp.where(keep, w, 0.0))))
+    if not reduced:  # amp's step is float32's: no local error
+        zero = jnp.float32(0)
+        return jnp.stack([zero, prop, zero, zero, peak])
+    return jnp.stack([rel(local), prop, over / size, under / size, peak])
+
+
+def forward_delta(site: Site) -> list:
+    """``local - y32`` per float output (of ``y32``'s dtype): a sentinel held
+    as an infinity counts 0, an overflow counts as the format's largest
+    value, a NaN as 0."""
+    out = []
+    for i in _float_outs(site.y32):
+        lo, w = site.local[i], site.y32[i]
+        fmax = np.float32(jnp.finfo(lo.dtype).max)
+        lo, w = lo.astype(jnp.float32), w.astype(jnp.float32)
+        d = jnp.clip(lo, -fmax, fmax) - w
+        d = jnp.where(_sat(lo, w) | ~jnp.isfinite(d), 0.0, d)
+        out.append(d.astype(site.y32[i].dtype))
+    return out
 
 
 class _Visitor:
@@ -217,29 +290,46 @@ class DiffVisitor(_Visitor):
         site = Site(eqn, facts, ctx, scopes, iteration, x32, y32, y32, ya)
         site.order = (self.n,)
         self.n += 1
-        if self.reduced(site):  # else amp's step on x32 is float32's
+        reduced = self.reduced(site)
+        if reduced:  # else amp's step on x32 is float32's
             site.local = amp_step(eqn, facts, ctx, x32)
+        site.stats = site_stats(site, reduced)
+        if reduced and _float_outs(y32):
+            site.delta = forward_delta(site)
         self.sites.append(site)
         return list(zip(y32, ya))
 
     def loop(self, eqn, structure, f, invals, ctx, iteration):
+        # The body's per-iteration outputs: each site's statistics, and for a
+        # reduced-precision site its forward error and float32 inputs (what
+        # its backward error and the ranking need); other values are avals.
         box: list = []
 
         def body_fn(core, sc, step, boundary):
             inner = DiffVisitor(self.reduced)
             outs = traverse(inner, core, sc, step, ctx, boundary, iteration)
             box.append(inner.sites)
-            vals = [[list(getattr(st, k)) for k in _FIELDS] for st in inner.sites]
-            return outs, [[[_as_array(v) for v in vs] for vs in st] for st in vals]
+            ys = []
+            for st in inner.sites:
+                keep = st.delta is not None and bool(_float_inputs(st))
+                x32 = [_as_array(x) for x in st.x32] if keep else None
+                ys.append((st.stats, st.delta, x32))
+            return outs, ys
 
         outs, stacked = scan_loop(self, eqn, structure, f, invals, ctx, body_fn)
         pos = self.n
         self.n += 1
-        for st, vals in zip(box[0], stacked):
-            for k, v in zip(_FIELDS, vals):
-                setattr(st, k, v)
-            st.stack = (structure.trips, *st.stack)
-            mark = -structure.trips if structure.reverse else None
+        trips = structure.trips
+        lift = lambda v: jax.ShapeDtypeStruct(  # noqa: E731
+            (trips, *np.shape(v)), getattr(v, "dtype", None) or jnp.result_type(v)
+        )
+        for st, (stats, delta, x32) in zip(box[0], stacked):
+            st.stats, st.delta = stats, delta
+            st.x32 = x32 if x32 is not None else [lift(v) for v in st.x32]
+            st.y32, st.amp = [lift(v) for v in st.y32], [lift(v) for v in st.amp]
+            st.local = st.y32 if st.delta is None else [lift(v) for v in st.local]
+            st.stack = (trips, *st.stack)
+            mark = -trips if structure.reverse else None
             st.order = (pos, mark, *st.order)
             self.sites.append(st)
         return outs
@@ -338,7 +428,7 @@ class ProbeVisitor(_Visitor):
             for j, i in enumerate(fi):
                 r = self.back[k][j]
                 self.extra = self.extra + jnp.vdot(r, invals[i].astype(r.dtype))
-        if self.probes is not None:
+        if self.probes is not None and self.probes[k] is not None:
             for j, i in enumerate(_float_outs(outs)):
                 outs[i] = outs[i] + self.probes[k][j]
         return outs
