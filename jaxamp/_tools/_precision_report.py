@@ -2,26 +2,25 @@
 and the smallest policy change that wins it back.
 
 The float32 and the amp step are compared on the same inputs in one
-differential walk (``_precision_walk.py``): per equation the *local* error
-(amp's equation fed the float32 inputs, PyTorch's shadow loggers,
-``torch.ao.ns._numeric_suite_fx``) and the *propagated* error (amp's value
-against float32's), grouped by ``jax.named_scope`` path and scan iteration.
-Scopes are ranked by a first-order estimate of their share of the error, from
-one backward pass: every site's float32 cotangent ``g = dL/dy`` (zero probes
-added to every output, differentiated at once) gives
+differential walk (``_precision_walk.py``; loops walked as loops): per
+equation the *local* error (amp's equation fed the float32 inputs, PyTorch's
+shadow loggers, ``torch.ao.ns._numeric_suite_fx``) and the *propagated* error
+(amp's value against float32's), grouped by ``jax.named_scope`` path and loop
+iteration. Per equation, first-order shares from one backward pass (every
+site's float32 cotangent ``g = dL/dy``): ``|<g, y_local - y_32>|`` for the
+loss and ``|VJP_amp(x_32; g) - VJP_32(x_32; g)|`` (the local error of the
+backward pass amp runs for it) for the gradient.
 
-* its share of the loss error, ``|<g, y_local - y_32>|`` (first order in the
-  forward error);
-* its share of the gradient error, ``|VJP_amp(x_32; g) - VJP_32(x_32; g)|``:
-  the local error of the backward pass amp runs for the equation (the 8-bit
-  rules quantize the input gradient in their ``custom_vjp``), relative to the
-  float32 gradient's norm.
-
-Per-scope shares add in quadrature (independent rounding errors). The idea of
-ranking layers by sensitivity times perturbation is HAWQ's (Dong et al.,
-2019); the greedy fallback of the worst ops to higher precision until a target
-is met is Intel Neural Compressor's ``AutoMixedPrecisionTuneStrategy``. The
-plain-text table and the PNG are in ``_precision_plot.py``.
+Scopes are ranked by what restoring them buys: each scope's local forward and
+backward errors are propagated through the rest of the step by one JVP of
+the probed float32 gradient (``probed_gradient``), for all scopes at once;
+the shares of the model's total gradient (and loss) error each scope's part
+removes order them. The idea of ranking layers by sensitivity times
+perturbation is HAWQ's (Dong et al., 2019); the greedy fallback of the worst
+ops to higher precision until a target is met is Intel Neural Compressor's
+``AutoMixedPrecisionTuneStrategy``; AIMET's QuantAnalyzer measures per-layer
+ablations (one evaluation per layer), which the benchmark uses as the ground
+truth. The plain-text table and the PNG are in ``_precision_plot.py``.
 """
 
 from __future__ import annotations
@@ -319,11 +318,12 @@ def precision_report(
     """Where ``amp(loss_fn)`` loses accuracy against float32, per equation,
     ``named_scope`` path, scan iteration and parameter group.
 
-    Runs the float32 and the amp step on the same inputs in one differential
-    walk (see ``jaxamp/_tools/_precision_walk.py``), one backward pass for
-    every equation's float32 cotangent, each equation's backward pass at the
-    float32 point, and amp's own gradient, all in one compiled function
-    (scans unrolled): the cost of a few training steps, not one run per scope.
+    Runs amp's own jitted step, then one compiled function: the float32 and
+    the amp step on the same inputs in one differential walk (see
+    ``jaxamp/_tools/_precision_walk.py``; a loop's body traced once), one
+    backward pass for every equation's float32 cotangent, each equation's
+    backward pass at the float32 point, and one JVP of the float32 gradient
+    along every scope's local errors (the ranking): no run per scope.
 
     Args:
         loss_fn: ``loss_fn(params, *rest, **kwargs)`` returning a float scalar
@@ -449,9 +449,9 @@ def _walk(fn, args, kwargs, cd, policy, has_aux, cache, scale, ga):
     return _compiled_walk(core, consts, leaves, wrt, ctx, edge, reduced, scale, ga)
 
 
-# The analysis runs once: XLA:CPU's LLVM optimisations would cost more compile
-# time than they save (the rounding of each operation is XLA's, not LLVM's).
-_FAST_COMPILE = {}
+# Compiler options of the analysis (XLA's defaults: at backend optimisation
+# level 0 its run, with the ranking's JVP, costs more than the compile saves).
+_FAST_COMPILE: dict = {}
 
 
 def _with_share(site: Site, g: list | None) -> jax.Array:

@@ -2,13 +2,17 @@
 
 One traversal of the float32 jaxpr, equation by equation in Python:
 calls (``jit``, ``remat``, ``custom_jvp``/``custom_vjp`` primal bodies) are
-inlined, loops with a static trip count (a ``lax.scan``) unrolled, each
-iteration's equations sites of their own, as the primitives' registered
-descriptions (``_base/_structure.py``) say; any other equation with
-sub-jaxprs (a while loop, a conditional, ``shard_map``) is one site, run
-whole. Every value is carried twice: as float32
-computes it and as amp computes it. Each first-order equation (a *site*) is
-bound three times:
+inlined; a loop with a static trip count (a ``lax.scan``, a ``fori_loop``
+with static bounds) is walked as a ``lax.scan`` whose body is the traversal
+of its body, traced once (:func:`scan_loop`): the carry holds the float32
+and amp values side by side, the per-iteration outputs are each site's
+statistics (and, for a reduced-precision site, its forward error and float32
+inputs), so the compiled analysis holds one body however many iterations
+run (``UNROLL = True`` unrolls instead, one site per equation and iteration:
+the tests' reference). Any other equation with sub-jaxprs (a while loop, a
+conditional, ``shard_map``) is one site, run whole. Every value is carried
+twice: as float32 computes it and as amp computes it. Each first-order
+equation (a *site*) is bound three times:
 
 * in float32 on the float32 inputs (the reference);
 * by jaxamp's own interpreter step (:meth:`jaxamp._walk._loop.Walk.run_eqn`:
@@ -18,9 +22,11 @@ bound three times:
   numeric-suite shadow logger measures (``torch.ao.ns._numeric_suite_fx``
   ``add_shadow_loggers``).
 
-The same traversal, run on float32 values only under ``jax.grad`` with a zero
-*probe* added to every site's outputs, gives every site's float32 cotangent
-``dL/dy`` in one backward pass (:func:`probe_cotangents`).
+The same traversal, run on float32 values only under ``jax.grad`` with zero
+*probes* added to every reduced-precision site's outputs and to its inputs'
+cotangents (:class:`ProbeVisitor`, :func:`probed_gradient`), gives every
+site's float32 cotangent ``dL/dy`` in one backward pass, and its JVP along a
+scope's local errors the error they cause in the gradient.
 
 Pattern rewrites (fused attention, the RMSNorm region) are not replayed: their
 equations are walked one by one under the per-equation rules, whose value
@@ -62,8 +68,10 @@ class Site:
         local: the amp step's outputs on ``x32``.
         amp: the amp step's outputs on amp's inputs.
         stack: the trip counts of the loops the site was traced in once
-            (outermost first): every value above has these leading axes,
-            one entry per iteration (empty outside a loop).
+            (outermost first; empty outside a loop). Such a site keeps
+            ``stats``, ``delta`` and, for a reduced-precision site, ``x32``
+            with these leading axes (one entry per iteration); its other
+            values are avals (``jax.ShapeDtypeStruct``) with them.
         stats: :func:`site_stats` (per iteration in a loop).
         delta: :func:`forward_delta` of a reduced-precision site, else None.
         order: its place in an unrolled walk: positions in the enclosing
