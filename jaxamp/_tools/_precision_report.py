@@ -43,16 +43,16 @@ from .._policy._lookup import AmpPolicy
 from .._policy._rules import default_amp_policy
 from .._walk._loop import AmpContext
 from . import _precision_plot, _precision_suggest
-from ._precision_walk import (
-    _SENTINEL,
-    DiffVisitor,
-    Site,
+from ._precision_rank import (
     backward_deltas,
     norms,
+    per_iteration,
     probe_shapes,
     probed_gradient,
-    traverse,
+    scope_effects,
+    with_share,
 )
+from ._precision_walk import DiffVisitor, Site, traverse
 
 _TRANSCENDENTAL = {
     "exp",
@@ -141,31 +141,13 @@ def _sq(x: Any) -> float:
     return float(np.sum(np.square(np.asarray(x, np.float64))))
 
 
-def _saturated(got: Any, want: Any) -> np.ndarray:
-    """Where ``got`` holds ``want``'s sentinel as a same-signed infinity (or
-    both are that infinity): a masked value, not an error."""
-    g, w = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    with np.errstate(invalid="ignore"):
-        return (np.isinf(g) & (np.abs(w) >= _SENTINEL) & (np.sign(g) == np.sign(w))) | (
-            np.isinf(w) & (g == w)
-        )
-
-
-def _diff(got: Any, want: Any) -> tuple[np.ndarray, np.ndarray]:
-    """``(got - want, want)`` in float64, zero where :func:`_saturated`."""
-    g, w = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    sat = _saturated(g, w)
-    if not sat.any():
-        return g - w, w
-    return np.where(sat, 0.0, g - np.where(sat, 0.0, w)), np.where(sat, 0.0, w)
-
-
 def _rel(got: list, want: list) -> float:
-    """Relative L2 error of ``got`` against ``want``; sentinels held as
-    infinities (:func:`_saturated`) count as exact and leave the norm."""
-    pairs = [_diff(g, w) for g, w in zip(got, want)]
-    den = sum(_sq(w) for _, w in pairs)
-    num = sum(_sq(d) for d, _ in pairs)
+    """Relative L2 error of the arrays ``got`` against ``want`` (float64)."""
+    den = sum(_sq(w) for w in want)
+    num = sum(
+        _sq(np.asarray(g, np.float64) - np.asarray(w, np.float64))
+        for g, w in zip(got, want)
+    )
     return (num / den) ** 0.5 if den else float(num > 0)
 
 
@@ -454,17 +436,6 @@ def _walk(fn, args, kwargs, cd, policy, has_aux, cache, scale, ga):
 _FAST_COMPILE: dict = {}
 
 
-def _with_share(site: Site, g: list | None) -> jax.Array:
-    """The site's statistics (:func:`site_stats`) and its loss share
-    ``|<g, local - y32>|`` (per iteration for a loop's site): ``(*stack, 6)``."""
-    n = len(site.stack)
-    share = jnp.zeros(site.stack, jnp.float32)
-    for gi, d in zip(g or (), site.delta or ()):
-        prod = gi.astype(jnp.float32) * d.astype(jnp.float32)
-        share = share + jnp.sum(prod, tuple(range(n, d.ndim)))
-    return jnp.concatenate([site.stats, jnp.abs(share)[..., None]], -1)
-
-
 def _compiled_walk(core, consts, leaves, wrt, ctx, edge, reduced, scale, ga):
     """One compiled function: the differential walk, the probed float32
     gradient, every reduced site's backward error, and each scope's effect:
@@ -508,75 +479,17 @@ def _compiled_walk(core, consts, leaves, wrt, ctx, edge, reduced, scale, ga):
         deltas = backward_deltas(sites, cts, chosen, scale)
         back = norms(sites, deltas)
         names = [scope_path(st.scopes) for st in sites]
-        scopes = list(dict.fromkeys(n for n, c in zip(names, chosen) if c))
+        scopes, effect = scope_effects(names, sites, chosen, deltas, lin, ga, g32)
         box.append(scopes)
-        eye = np.eye(len(scopes), dtype=np.float32)
-
-        def spread(k, vals):  # vals in row scopes.index(names[k]), zeros elsewhere
-            row = eye[scopes.index(names[k])]
-            return [row.reshape((-1,) + (1,) * v.ndim) * v[None] for v in vals]
-
-        tf = [
-            spread(k, st.delta) if c else None
-            for k, (st, c) in enumerate(zip(sites, chosen))
-        ]
-        tb = [
-            spread(k, d) if c else None for k, (d, c) in enumerate(zip(deltas, chosen))
-        ]
-
-        def one(f, b):
-            dl, (dg, _) = lin(f, b)
-            return dl, dg
-
-        d_loss, d_grad = jax.vmap(one)(tf, tb) if scopes else (jnp.zeros(0), [])
-        # Rounding errors are redrawn at amp's point (a rounding is not
-        # differentiable): the shares are of the model's own gradient error,
-        # the sum of the scopes' propagated errors, not of the measured one.
-        total = [d.sum(0) for d in d_grad]
-        model_sq = sum(jnp.sum(jnp.square(t)) for t in total)
-        meas_sq = sum(
-            jnp.sum(jnp.square(a.astype(jnp.float32) - b)) for a, b in zip(ga, g32)
-        )
-        axes = lambda d: tuple(range(1, d.ndim))  # noqa: E731
-        dots = sum(jnp.sum(t[None] * d, axes(d)) for t, d in zip(total, d_grad))
-        sq = sum(jnp.sum(jnp.square(d), axes(d)) for d in d_grad)
-        fit = jnp.sqrt(model_sq / jnp.maximum(meas_sq, 1e-30))
-        stats = [_with_share(st, g) for st, g in zip(sites, cts)]
-        effect = (d_loss, dots, sq, model_sq, fit)
+        stats = [with_share(st, g) for st, g in zip(sites, cts)]
         return [loss32, back, stats, g32, effect]
 
     compiled = jax.jit(run).lower(leaves, ga).compile(_FAST_COMPILE)
     loss32, back, stats, g32, effect = compiled(leaves, ga)
-    sites, stats, back = _per_iteration(box[0], stats, back)
+    sites, stats, back = per_iteration(box[0], stats, back)
     d_loss, dots, sq, model_sq, fit = (np.asarray(e, np.float64) for e in effect)
     effect = (box[1], d_loss, dots, sq, float(model_sq), float(fit))
     return sites, stats, g32, float(loss32), back, effect
-
-
-def _place(o: int | None, it: Any) -> int:
-    """An entry of :attr:`Site.order` with the iteration filled in."""
-    if o is None:
-        return next(it)
-    return -o - 1 - next(it) if o < 0 else o  # a reversed loop: trips - 1 - t
-
-
-def _per_iteration(sites: list, stats: list, back: list) -> tuple[list, list, list]:
-    """Sites traced once in a loop (statistics stacked per iteration) as one
-    site per iteration, with their statistics and backward errors, in the
-    order an unrolled walk visits them (:attr:`Site.order`)."""
-    rows = []
-    for st, row, b in zip(sites, stats, back):
-        row, b = np.asarray(row, np.float64), np.asarray(b, np.float64)
-        if not st.stack:
-            rows.append((st.order, st, row, float(b)))
-            continue
-        for t in np.ndindex(*st.stack):
-            it = iter(t)
-            order = tuple(_place(o, it) for o in st.order)
-            one = dataclasses.replace(st, iteration=(*st.iteration, *t))
-            rows.append((order, one, row[t], float(b[t])))
-    rows.sort(key=lambda r: r[0])
-    return [r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows]
 
 
 @dataclasses.dataclass
