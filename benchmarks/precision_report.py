@@ -1,17 +1,24 @@
-"""What ``jaxamp.precision_report`` costs: its time against the first call
+"""What ``jaxamp.precision_report`` costs, and whether its ranking names the
+scope whose fix buys the most.
+
+    python benchmarks/precision_report.py                  # both tables
+    python benchmarks/precision_report.py --depth 4 --depth 24
+    python benchmarks/precision_report.py --ranking
+
+**Depth sweep** (``--depth``): the report's time against the first call
 (trace, compile, run) of the jitted amp training step of the same model, in
-one process, side by side.
+one process, side by side. The model is ``benchmarks/quantized.py``'s scoped
+GPT (``benchmarks/run.py``'s GPT, layers in ``lax.scan``, named scopes
+``attn`` / ``mlp`` / ``head``) at width 256, seq 128, batch 8 (size S) with
+4, 12 or 24 layers, under bf16 (the default policy). Each row runs in a fresh
+process (JAX started by one tiny jitted call first). Other processes may
+share the CPU: compare the ratio, not absolute times.
 
-    python benchmarks/precision_report.py               # sizes tiny and S
-    python benchmarks/precision_report.py --size S
-
-The model is ``benchmarks/quantized.py``'s scoped GPT (``benchmarks/run.py``'s
-GPT, layers in ``lax.scan``, named scopes ``attn`` / ``mlp`` / ``head``) under
-bf16 (the default policy) and int8 (``int8_policy(size_rule=None)``). Each
-row runs in a fresh process (JAX started by one tiny jitted call first): the
-step's first call in seconds, then the report's time in seconds, their ratio,
-the report's top scope and its gradient error. Other processes may share
-the CPU: compare the ratio, not absolute times.
+**Ranking against ablation** (``--ranking``): per case, the report's
+estimated share of the squared gradient error each scope's restoring removes
+(:meth:`jaxamp.PrecisionReport.scopes`) against the measured one: amp re-run
+with that scope alone overridden (an 8-bit scope to the compute dtype, a bf16
+scope to float32, as ``suggest`` does), ``1 - (error / error_all)**2``.
 """
 
 from __future__ import annotations
@@ -25,13 +32,16 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import quantized  # noqa: E402
 import run as gpt_bench  # noqa: E402
 
 import jaxamp  # noqa: E402
+from jaxamp._tools._precision_suggest import _override, policy_key  # noqa: E402
 
 
 def model(size: str):
@@ -47,61 +57,151 @@ def model(size: str):
     return loss, params, x, y
 
 
-def row(size: str, name: str, policy) -> dict:
+def _size(width: int, layers: int, seq: int, batch: int) -> str:
+    """Register a ``benchmarks/run.py`` size (4 heads, vocabulary 256)."""
+    name = f"w{width}-L{layers}-T{seq}-B{batch}"
+    gpt_bench.SIZES[name] = (width, layers, seq, batch, 4, 256)
+    return name
+
+
+def depth_row(layers: int) -> dict:
     """Time the first call of the jitted amp step, then the report."""
-    loss, params, x, y = model(size)
-    f = jaxamp.amp(loss, compute_dtype=jnp.bfloat16, amp_policy=policy)
+    loss, params, x, y = model(_size(256, layers, 128, 8))
+    f = jaxamp.amp(loss, compute_dtype=jnp.bfloat16)
     t0 = time.perf_counter()
     jax.block_until_ready(jax.jit(jax.value_and_grad(f))(params, x, y))
     step = time.perf_counter() - t0
     t0 = time.perf_counter()
-    report = jaxamp.precision_report(loss, params, x, y, amp_policy=policy)
+    report = jaxamp.precision_report(loss, params, x, y)
     took = time.perf_counter() - t0
     return {
-        "size": size,
-        "policy": name,
+        "layers": layers,
         "step_first_call_s": step,
         "report_s": took,
         "ratio": took / step,
         "top": report.top(1)[0],
         "grad_error": report.grad_error,
+        "records": len(report.records),
     }
 
 
-POLICIES = {
-    "bf16": lambda: jaxamp.default_amp_policy,
-    "int8": lambda: jaxamp.int8_policy(size_rule=None),
+def _fp8_layer_case():
+    """tests/test_precision_report.py's GPT (3 unrolled layers) in bf16 with
+    FP8 in layer 2's MLP only."""
+    import test_precision_report as t
+
+    loss = t._gpt_loss(lambda i: "mlp")
+    params, (x, y) = t._gpt_params(jax.random.key(0)), t._batch()
+    fp8 = jaxamp.fp8_policy(size_rule=None)
+    return loss, params, x, y, {**jaxamp.default_amp_policy, "layer2/mlp": fp8}
+
+
+def _scanned_case(size: str, policy):
+    loss, params, x, y = model(size)
+    return loss, params, x, y, policy
+
+
+CASES = {
+    "int8, scanned GPT w256 L4 T64 B8 (issue 33)": lambda: _scanned_case(
+        _size(256, 4, 64, 8),
+        jaxamp.int8_policy(size_rule=None, quantize_last_matmul=True),
+    ),
+    "int8, scanned GPT tiny": lambda: _scanned_case(
+        "tiny", jaxamp.int8_policy(size_rule=None, quantize_last_matmul=True)
+    ),
+    "fp8, scanned GPT w256 L4 T64 B8": lambda: _scanned_case(
+        _size(256, 4, 64, 8),
+        jaxamp.fp8_policy(size_rule=None, quantize_last_matmul=True),
+    ),
+    "fp8 in layer2/mlp only, bf16 elsewhere": _fp8_layer_case,
 }
+
+
+def ranking_row(name: str) -> dict:
+    """The report's ranking and the ablation's, for one case."""
+    loss, params, x, y, policy = CASES[name]()
+    t0 = time.perf_counter()
+    report = jaxamp.precision_report(loss, params, x, y, amp_policy=policy)
+    took = time.perf_counter() - t0
+    paths = sorted({r.scope for r in report.records})
+    est = {k: v for k, v in report.scopes("grad").items() if k}
+    measured = {}
+    for path in est:
+        value, _ = _override(report, path)
+        g, _ = report.runner.errors({**policy, policy_key(path, paths): value})
+        measured[path] = 1 - (g / report.grad_error) ** 2
+    ablation = dict(sorted(measured.items(), key=lambda kv: -kv[1]))
+    return {
+        "case": name,
+        "grad_error": report.grad_error,
+        "report_s": took,
+        "estimate": est,
+        "ablation": ablation,
+        "linear_fit": report.linear_fit,
+    }
+
+
+def _fresh(args: list[str]) -> dict:
+    cmd = [sys.executable, __file__, *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _shares(d: dict, k: int = 4) -> str:
+    return ", ".join(f"{s} {v:.0%}" for s, v in list(d.items())[:k])
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--size", action="append", help="benchmarks/run.py sizes")
-    p.add_argument("--row", nargs=2, help=argparse.SUPPRESS)  # size policy
+    p.add_argument("--depth", type=int, action="append", help="layers in the scan")
+    p.add_argument("--ranking", action="store_true", help="only the ranking table")
+    p.add_argument("--row", nargs=2, help=argparse.SUPPRESS)  # kind, argument
     a = p.parse_args(argv)
     if a.row:  # one row, in a fresh process
         jax.block_until_ready(jax.jit(lambda v: v + 1)(jnp.ones(2)))  # JAX's start-up
-        print(json.dumps(row(a.row[0], a.row[1], POLICIES[a.row[1]]())))
+        kind, arg = a.row
+        row = depth_row(int(arg)) if kind == "depth" else ranking_row(arg)
+        print(json.dumps(row))
         return 0
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
-    print(
-        "| size | policy | step first call (s) | report (s) | ratio | top scope "
-        "| grad error |"
-    )
-    print("|---|---|---|---|---|---|---|")
-    for size in a.size or ["tiny", "S"]:
-        for name in POLICIES:
-            cmd = [sys.executable, __file__, "--row", size, name]
-            out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-            r = json.loads(out.stdout.strip().splitlines()[-1])
+    if not a.ranking:
+        print(
+            "\n| layers | step first call (s) | report (s) | ratio | records "
+            "| top scope | grad error |"
+        )
+        print("|---|---|---|---|---|---|---|")
+        ratios = {}
+        for layers in a.depth or [4, 12, 24]:
+            r = _fresh(["--row", "depth", str(layers)])
+            ratios[layers] = r["ratio"]
             print(
-                f"| {size} | {name} | {r['step_first_call_s']:.2f} | "
-                f"{r['report_s']:.2f} | {r['ratio']:.2f}x | {r['top']} | "
+                f"| {layers} | {r['step_first_call_s']:.2f} | {r['report_s']:.2f} | "
+                f"{r['ratio']:.2f}x | {r['records']} | {r['top']} | "
                 f"{r['grad_error']:.2e} |",
+                flush=True,
+            )
+        lo, hi = min(ratios), max(ratios)
+        if hi != lo:
+            print(f"\nratio at {hi} / ratio at {lo}: {ratios[hi] / ratios[lo]:.2f}")
+    if a.ranking or not a.depth:
+        print(
+            "\n| case | grad error | report top-1 | ablation top-1 | report "
+            "(share removed) | ablation (share removed) | linear fit | report (s) |"
+        )
+        print("|---|---|---|---|---|---|---|---|")
+        for name in CASES:
+            r = _fresh(["--row", "ranking", name])
+            top_r, top_a = next(iter(r["estimate"])), next(iter(r["ablation"]))
+            print(
+                f"| {name} | {r['grad_error']:.2e} | {top_r} | {top_a} "
+                f"{'(same)' if top_r == top_a else '(DIFFERENT)'} | "
+                f"{_shares(r['estimate'])} | {_shares(r['ablation'])} | "
+                f"{r['linear_fit']:.2f} | {r['report_s']:.1f} |",
                 flush=True,
             )
     return 0
 
 
 if __name__ == "__main__":
+    np.set_printoptions(precision=3)
     sys.exit(main())

@@ -105,15 +105,24 @@ def test_fp8_in_one_mlp_is_found_and_fixed(path_keys):
     assert fix.grad_error <= 1.5 * bf16_error
     assert 0 < fix.eight_bit_moved <= 1 and fix.low_precision_moved == 0
     # The verified policy is what amp then runs: the MLP's matmuls leave FP8.
-    got = jaxamp.quantization_report(
-        jaxamp.amp(loss, compute_dtype=BF16, amp_policy=fix.policy), params, x, y
-    )
+    # The suggestion is itself the policy mapping amp takes.
+    assert dict(fix) == fix.policy and len(fix) == len(fix.policy)
+    fixed = jaxamp.amp(loss, compute_dtype=BF16, amp_policy=fix)
+    got = jaxamp.quantization_report(fixed, params, x, y)
     assert all(r.format != "fp8" for r in got)
+    g = jax.jit(jax.grad(fixed))(params, x, y)
+    g32 = jax.grad(loss)(params, x, y)
+    err = sum(
+        jnp.sum(jnp.square(a - b))
+        for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g32))
+    )
+    den = sum(jnp.sum(jnp.square(b)) for b in jax.tree.leaves(g32))
+    np.testing.assert_allclose(float(jnp.sqrt(err / den)), fix.grad_error, rtol=1e-3)
 
 
-def test_scanned_int8_gpt_names_the_head_as_the_breakdown_found():
-    # RESULTS_QUANT (c) found by hand that int8's largest gradient error is the
-    # head's; the report finds it from one backward pass, and its per-group
+def test_scanned_int8_gpt_ranks_scopes_as_ablation_does():
+    # The report's ranking of the scanned GPT's scopes under int8 matches the
+    # ablation (one amp run per scope kept in bf16), and its per-group
     # gradient errors are benchmarks/quantized.py --error-breakdown's numbers.
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import quantized
@@ -128,7 +137,22 @@ def test_scanned_int8_gpt_names_the_head_as_the_breakdown_found():
     both = {**params, "head": params["emb"]}
     policy = jaxamp.int8_policy(size_rule=None, quantize_last_matmul=True)
     report = jaxamp.precision_report(loss, both, x, y, amp_policy=policy)
-    assert report.top(1) == ["head"]
+    # The ranking is what each fix buys: the share of the squared gradient
+    # error removed by keeping one scope in bf16, measured by re-running amp.
+    removed = {}
+    for scope in ("attn", "mlp", "head"):
+        g, _ = report.runner.errors({**policy, scope: jaxamp.default_amp_policy})
+        removed[scope] = 1 - (g / report.grad_error) ** 2
+    # At this size attn and head are close (ablation 0.40 / 0.33; the model
+    # puts them within a few points, in an order XLA's optimisation level can
+    # flip): the measured best is among the report's first two, and each
+    # estimate is near its measurement. benchmarks/RESULTS_PRECISION.md has
+    # the issue's larger model, where the head leads clearly.
+    assert max(removed, key=removed.get) in report.top(2)
+    estimate = report.scopes("grad")
+    for scope, share in removed.items():
+        assert abs(estimate[scope] - share) < 0.2, (scope, estimate, removed)
+    assert 0.7 < report.linear_fit < 1.3
     iters = {r.iteration for r in report.records if r.scope == "mlp"}
     assert iters == {(i,) for i in range(gpt_bench.SIZES["tiny"][1])}
 
@@ -326,6 +350,35 @@ def test_bad_input_raises():
         jaxamp.precision_report(lambda w: w.sum(), jnp.ones(2), group_depth=0)
 
 
+def test_attention_mask_sentinel_is_no_error():
+    # float32's lowest value masks the scores (Flax GPT-2's attention bias);
+    # int8's product gives bfloat16 scores, and the masked sum holds the mask
+    # as -inf, which masks as well: no infinite error, no overflow, and the
+    # unmasked scores' error is what the sum reports.
+    def loss(w, x):
+        with jax.named_scope("attn"):
+            s = (x @ w) @ x.T
+            causal = jnp.tril(jnp.ones(s.shape, bool))
+            s = s + jnp.where(causal, 0.0, jnp.finfo(jnp.float32).min)
+            return jnp.mean(jax.nn.softmax(s, -1) @ x)
+
+    w = round_bf16(jax.random.normal(jax.random.key(0), (8, 8)) / 3)
+    x = round_bf16(jax.random.normal(jax.random.key(1), (4, 8)))
+    policy = jaxamp.int8_policy(size_rule=None, quantize_last_matmul=True)
+    report = jaxamp.precision_report(loss, w, x, amp_policy=policy)
+    for r in report.records:
+        assert np.isfinite(r.propagated_error) and np.isfinite(r.local_error), r
+        assert r.overflow == 0 and np.isfinite(r.loss_share), r
+    (masked,) = [r for r in report.records if r.primitive == "add" and r.format]
+    dots = [r for r in report.records if r.primitive == "dot_general"]
+    assert (
+        1e-3
+        < masked.propagated_error
+        == pytest.approx(dots[1].propagated_error, rel=0.5)
+    )
+    assert 0 < report.grad_error < 0.2
+
+
 def test_custom_vjp_primal_body_is_walked():
     @jax.custom_vjp
     def f(x, w):
@@ -353,3 +406,114 @@ def test_custom_vjp_primal_body_is_walked():
     assert prims[:2] == [("dot_general", "cv", "bfloat16"), ("tanh", "cv", "float32")]
     assert report.top(1) == ["cv"]
     assert 1e-4 < report.grad_error < 5e-2
+
+
+@pytest.fixture(scope="module")
+def loop_reports():
+    # A checkpointed scan over layers, a reversed scan inside it and a
+    # fori_loop with a static trip count: walked as loops (each body traced
+    # once) and unrolled (one site per equation and iteration, the reference).
+    from jaxamp._tools import _precision_walk
+
+    params = _gpt_params(jax.random.key(3))
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *params["layers"])
+
+    def loss(p, x, y):
+        @jax.checkpoint
+        def body(h, w):
+            with jax.named_scope("block"):
+                h = _block(h, w, "mlp")
+            with jax.named_scope("mix"):
+                h, _ = jax.lax.scan(
+                    lambda c, s: (jnp.tanh(c @ w["o"]) * s + c, None),
+                    h,
+                    jnp.array([0.5, 0.25]),
+                    reverse=True,
+                )
+            return h, None
+
+        h, _ = jax.lax.scan(body, p["emb"][x], p["layers"])
+        with jax.named_scope("head"):
+            h = jax.lax.fori_loop(0, 2, lambda i, c: _ln(c) + c, h)
+            return _xent(_ln(h) @ p["head"], y)
+
+    x, y = _batch()
+    p = {**params, "layers": stacked}
+    out = {}
+    try:
+        for unroll in (False, True):
+            _precision_walk.UNROLL = unroll
+            out[unroll] = jaxamp.precision_report(loss, p, x, y)
+    finally:
+        _precision_walk.UNROLL = False
+    return out
+
+
+def test_loops_walked_once_match_the_unrolled_walk(loop_reports):
+    looped, unrolled = loop_reports[False], loop_reports[True]
+    key = lambda r: (r.scope, r.iteration, r.primitive, r.format, r.source)  # noqa: E731
+    assert [key(r) for r in looped.records] == [key(r) for r in unrolled.records]
+    its = {r.iteration for r in looped.records if r.scope == "mix"}
+    assert its == {(i, j) for i in range(L) for j in range(2)}
+    assert {r.iteration for r in looped.records if r.scope == "head"} == {
+        (),
+        (0,),
+        (1,),
+    }
+    for r, q in zip(looped.records, unrolled.records):
+        for f in ("local_error", "overflow", "underflow", "peak", "loss_share"):
+            np.testing.assert_allclose(getattr(r, f), getattr(q, f), 1e-3, 1e-8)
+        np.testing.assert_allclose(r.grad_share, q.grad_share, 2e-2, 1e-8)
+        # Values carried through a loop are XLA's loop program's, as amp's
+        # are, not the unrolled program's; after the fori_loop they part.
+        if r.scope != "head":
+            np.testing.assert_allclose(
+                r.propagated_error, q.propagated_error, 5e-2, 1e-4
+            )
+    # The walked loss is amp's own: its error is the measured loss error.
+    assert looped.records[-1].primitive == "div"
+    np.testing.assert_allclose(
+        looped.records[-1].propagated_error, looped.loss_error, 1e-3
+    )
+    got, want = looped.scopes("grad"), unrolled.scopes("grad")
+    assert list(got) == list(want)
+    np.testing.assert_allclose(list(got.values()), list(want.values()), 0, 5e-2)
+    assert looped.grad_errors == pytest.approx(unrolled.grad_errors, rel=1e-4)
+
+
+def _fake_report(layers):
+    from jaxamp._tools._precision_report import SiteRecord
+
+    def rec(scope, it, share):
+        return SiteRecord(
+            scope, it, "dot_general", "matmul", "", "bfloat16",
+            *(0.0,) * 6, 0.0, share,
+        )  # fmt: skip
+
+    recs = [rec("", (), 0.5)]
+    for t in range(layers):
+        recs += [
+            rec("attn", (t,), 1.0 + t),
+            rec("mlp", (t,), 2.0),
+            rec("mlp", (t,), 2.0),
+        ]
+    recs.append(rec("head", (), 3.0))
+    return jaxamp.PrecisionReport(recs, 0.0, 0.0, {"total": 0.0}, "bfloat16")
+
+
+def test_heatmap_rows_follow_the_model_and_stay_readable_when_deep():
+    from jaxamp._tools._precision_plot import heat
+
+    rows, cells = heat(_fake_report(3))
+    assert rows == [
+        "(no scope)", "attn [0]", "mlp [0]", "attn [1]", "mlp [1]", "attn [2]",
+        "mlp [2]", "head",
+    ]  # fmt: skip
+    assert cells[2][0] == pytest.approx(8**0.5)  # two mlp matmuls in quadrature
+    rows, cells = heat(_fake_report(48), max_rows=48)
+    assert len(rows) <= 48
+    # 98 rows of one iteration each; 2 per row would still be 50.
+    assert len(rows) == 34
+    assert rows[:3] == ["(no scope)", "attn [0-2]", "mlp [0-2]"]
+    assert rows[-2:] == ["mlp [45-47]", "head"]
+    assert cells[1][0] == pytest.approx((1.0 + 4.0 + 9.0) ** 0.5)

@@ -31,15 +31,19 @@ def to_json(report: Any) -> dict:
         "loss_amp": report.loss,
         "loss_error": _num(report.loss_error),
         "grad_errors": report.grad_errors,
-        "ranking_grad": report.scopes("grad"),
+        "ranking_grad": {k: _num(v) for k, v in report.scopes("grad").items()},
         "ranking_loss": {k: _num(v) for k, v in report.scopes("loss").items()},
+        "linear_fit": _num(report.linear_fit),
         "records": recs,
     }
 
 
 def scope_table(report: Any) -> dict[str, dict[str, Any]]:
-    """Per scope path: gradient share, loss share, largest local and
-    propagated error, worst over/underflow, formats, first source line."""
+    """Per scope path, in the ranking's order (:meth:`scopes`; then scopes
+    without a reduced-precision equation): the estimated shares of the
+    gradient and loss error its restoring removes, its sites' local backward
+    error (in quadrature), largest local and propagated error, worst
+    over/underflow, formats, first source line."""
     out: dict[str, dict[str, Any]] = {}
     for r in report.records:
         row = out.setdefault(
@@ -63,9 +67,13 @@ def scope_table(report: Any) -> dict[str, dict[str, Any]]:
         row["under"] = max(row["under"], r.underflow)
         if r.format:
             row["formats"].add(r.format)
-    for row in out.values():
+    grad, loss = report.scopes("grad"), report.scopes("loss")
+    for k, row in out.items():
         row["grad"] = row["grad"] ** 0.5
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]["grad"]))
+        row["removed"] = grad.get(k, 0.0)
+        row["removed_loss"] = loss.get(k, 0.0)
+    order = list(grad) + [k for k in out if k not in grad]
+    return {k: out[k] for k in order if k in out}
 
 
 def text(report: Any) -> str:
@@ -80,27 +88,65 @@ def text(report: Any) -> str:
     )
     lines = [head + f"per parameter group: {groups}", ""]
     lines.append(
-        f"{'scope':<28} {'grad share':>10} {'loss share':>10} {'local':>9} "
-        f"{'propag.':>9} {'overfl.':>8} {'underfl.':>8}  formats / source"
+        "grad / loss removed: estimated share of the error removed by running the "
+        f"scope as float32 (linear fit residual {report.linear_fit:.2f})"
+    )
+    lines.append(
+        f"{'scope':<28} {'grad rem.':>9} {'loss rem.':>9} {'bwd local':>9} "
+        f"{'local':>9} {'propag.':>9} {'overfl.':>8} {'underfl.':>8}  formats / source"
     )
     for scope, r in scope_table(report).items():
         lines.append(
-            f"{(scope or '(no scope)')[:28]:<28} {r['grad']:10.2e} {r['loss']:10.2e} "
+            f"{(scope or '(no scope)')[:28]:<28} {r['removed']:9.1%} "
+            f"{r['removed_loss']:9.1%} {r['grad']:9.2e} "
             f"{r['local']:9.2e} {r['prop']:9.2e} {r['over']:8.1%} {r['under']:8.1%}  "
             f"{','.join(sorted(r['formats']))} {os.path.basename(r['source'])}"
         )
     return "\n".join(lines)
 
 
-def _heat(report: Any) -> tuple[list[str], list[list[float]]]:
-    cells: dict[str, dict[str, float]] = {}
-    for r in report.records:  # one row per scope and scan iteration (layer)
-        it = f" [{','.join(map(str, r.iteration))}]" if r.iteration else ""
-        name = (r.scope or "(no scope)") + it
-        row = cells.setdefault(name, dict.fromkeys(GROUPS, 0.0))
+# Most heatmap rows drawn: more scope iterations than this are drawn in
+# blocks of consecutive iterations (labels stay readable at any depth).
+MAX_ROWS = 48
+
+
+def heat(report: Any, max_rows: int = MAX_ROWS) -> tuple[list[str], list[list[float]]]:
+    """The heatmap's rows and cells: one row per scope path and scan
+    iteration (``"attn [3]"``), in the order the step runs them (layer 0's
+    scopes, layer 1's, ..., the head); cells are the gradient shares of the
+    row's equations per op group, added in quadrature. With more than
+    ``max_rows`` rows, consecutive iterations of a scope share a row
+    (``"attn [0-3]"``), as few per row as keeps the rows within ``max_rows``.
+    """
+
+    def key(r, block):
+        if not r.iteration:
+            return r.scope, r.iteration, None
+        *outer, t = r.iteration
+        return r.scope, tuple(outer), t // block
+
+    n_rows = len({key(r, 1) for r in report.records})
+    block = max(1, -(-n_rows // max_rows))
+    while block > 1 and len({key(r, block) for r in report.records}) > max_rows:
+        block += 1
+    cells: dict[tuple, dict[str, float]] = {}
+    spans: dict[tuple, list[int]] = {}
+    for r in report.records:  # in the order the walk visits them
+        k = key(r, block)
+        row = cells.setdefault(k, dict.fromkeys(GROUPS, 0.0))
         row[r.group] = row.get(r.group, 0.0) + r.grad_share**2
-    rows = sorted(cells)
-    return rows, [[cells[s][g] ** 0.5 for g in GROUPS] for s in rows]
+        if r.iteration:
+            spans.setdefault(k, []).append(r.iteration[-1])
+    names = []
+    for k in cells:
+        scope, outer, _ = k
+        label = scope or "(no scope)"
+        if k in spans:
+            lo, hi = min(spans[k]), max(spans[k])
+            its = [*map(str, outer), f"{lo}" if lo == hi else f"{lo}-{hi}"]
+            label += f" [{','.join(its)}]"
+        names.append(label)
+    return names, [[cells[k][g] ** 0.5 for g in GROUPS] for k in cells]
 
 
 def save(report: Any, directory: str) -> tuple[str, str]:
@@ -124,7 +170,7 @@ def save(report: Any, directory: str) -> tuple[str, str]:
     jpath = os.path.join(directory, "precision_report.json")
     with open(jpath, "w") as f:
         json.dump(to_json(report), f, indent=1)
-    rows, heat = _heat(report)
+    rows, cells = heat(report)
     ranking = list(report.scopes("grad").items())[:12][::-1]
     fig, (ax0, ax1) = plt.subplots(
         1,
@@ -132,7 +178,7 @@ def save(report: Any, directory: str) -> tuple[str, str]:
         figsize=(12, max(3.0, 0.35 * len(rows) + 1.5)),
         gridspec_kw={"width_ratios": [3, 2]},
     )
-    im = ax0.imshow(heat, aspect="auto", cmap="magma_r")
+    im = ax0.imshow(cells, aspect="auto", cmap="magma_r")
     ax0.set_xticks(range(len(GROUPS)), GROUPS, rotation=30, ha="right")
     ax0.set_yticks(range(len(rows)), rows)
     ax0.set_title("gradient-error share per scope [scan iteration] and op group")

@@ -2,26 +2,25 @@
 and the smallest policy change that wins it back.
 
 The float32 and the amp step are compared on the same inputs in one
-differential walk (``_precision_walk.py``): per equation the *local* error
-(amp's equation fed the float32 inputs, PyTorch's shadow loggers,
-``torch.ao.ns._numeric_suite_fx``) and the *propagated* error (amp's value
-against float32's), grouped by ``jax.named_scope`` path and scan iteration.
-Scopes are ranked by a first-order estimate of their share of the error, from
-one backward pass: every site's float32 cotangent ``g = dL/dy`` (zero probes
-added to every output, differentiated at once) gives
+differential walk (``_precision_walk.py``; loops walked as loops): per
+equation the *local* error (amp's equation fed the float32 inputs, PyTorch's
+shadow loggers, ``torch.ao.ns._numeric_suite_fx``) and the *propagated* error
+(amp's value against float32's), grouped by ``jax.named_scope`` path and loop
+iteration. Per equation, first-order shares from one backward pass (every
+site's float32 cotangent ``g = dL/dy``): ``|<g, y_local - y_32>|`` for the
+loss and ``|VJP_amp(x_32; g) - VJP_32(x_32; g)|`` (the local error of the
+backward pass amp runs for it) for the gradient.
 
-* its share of the loss error, ``|<g, y_local - y_32>|`` (first order in the
-  forward error);
-* its share of the gradient error, ``|VJP_amp(x_32; g) - VJP_32(x_32; g)|``:
-  the local error of the backward pass amp runs for the equation (the 8-bit
-  rules quantize the input gradient in their ``custom_vjp``), relative to the
-  float32 gradient's norm.
-
-Per-scope shares add in quadrature (independent rounding errors). The idea of
-ranking layers by sensitivity times perturbation is HAWQ's (Dong et al.,
-2019); the greedy fallback of the worst ops to higher precision until a target
-is met is Intel Neural Compressor's ``AutoMixedPrecisionTuneStrategy``. The
-plain-text table and the PNG are in ``_precision_plot.py``.
+Scopes are ranked by what restoring them buys: each scope's local forward and
+backward errors are propagated through the rest of the step by one JVP of
+the probed float32 gradient (``probed_gradient``), for all scopes at once;
+the shares of the model's total gradient (and loss) error each scope's part
+removes order them. The idea of ranking layers by sensitivity times
+perturbation is HAWQ's (Dong et al., 2019); the greedy fallback of the worst
+ops to higher precision until a target is met is Intel Neural Compressor's
+``AutoMixedPrecisionTuneStrategy``; AIMET's QuantAnalyzer measures per-layer
+ablations (one evaluation per layer), which the benchmark uses as the ground
+truth. The plain-text table and the PNG are in ``_precision_plot.py``.
 """
 
 from __future__ import annotations
@@ -44,13 +43,16 @@ from .._policy._lookup import AmpPolicy
 from .._policy._rules import default_amp_policy
 from .._walk._loop import AmpContext
 from . import _precision_plot, _precision_suggest
-from ._precision_walk import (
-    DiffVisitor,
-    Site,
-    backward_errors,
-    probe_cotangents,
-    traverse,
+from ._precision_rank import (
+    backward_deltas,
+    norms,
+    per_iteration,
+    probe_shapes,
+    probed_gradient,
+    scope_effects,
+    with_share,
 )
+from ._precision_walk import DiffVisitor, Site, traverse
 
 _TRANSCENDENTAL = {
     "exp",
@@ -140,26 +142,13 @@ def _sq(x: Any) -> float:
 
 
 def _rel(got: list, want: list) -> float:
+    """Relative L2 error of the arrays ``got`` against ``want`` (float64)."""
     den = sum(_sq(w) for w in want)
     num = sum(
         _sq(np.asarray(g, np.float64) - np.asarray(w, np.float64))
         for g, w in zip(got, want)
     )
     return (num / den) ** 0.5 if den else float(num > 0)
-
-
-def _fractions(local: list, want: list) -> list[float]:
-    n = sum(int(np.size(w)) for w in want) or 1
-    over = under = 0
-    peak = 0.0
-    for lo, w in zip(local, want):
-        lo64, w64 = np.asarray(lo, np.float64), np.asarray(w, np.float64)
-        fin = np.isfinite(w64)
-        over += int(np.sum(~np.isfinite(lo64) & fin))
-        under += int(np.sum((lo64 == 0) & (w64 != 0) & fin))
-        if w64.size:
-            peak = max(peak, float(np.max(np.abs(np.where(fin, w64, 0)))))
-    return [over / n, under / n, peak]
 
 
 def _format(site: Site, cache: dict) -> tuple[str, bool]:
@@ -169,7 +158,14 @@ def _format(site: Site, cache: dict) -> tuple[str, bool]:
     enclosing scopes) in ``cache``."""
     key = (id(site.eqn), site.scopes)
     if key not in cache:
-        closed = jax.make_jaxpr(site.run_amp)([jax.typeof(x) for x in site.x32])
+        n = len(site.stack)
+        avals = [
+            jax.ShapeDtypeStruct(
+                np.shape(x)[n:], getattr(x, "dtype", None) or jnp.result_type(x)
+            )
+            for x in site.x32
+        ]
+        closed = jax.make_jaxpr(site.run_amp)(avals)
         fmt, reduced = "float32", False
         for eqn in closed.jaxpr.eqns + _inner(closed.jaxpr):
             ops = [np.dtype(v.aval.dtype) for v in eqn.invars]
@@ -196,31 +192,6 @@ def _inner(jaxpr: Any) -> list:
             core = _compat.jaxpr_parts(sub)[0]
             out.extend(core.eqns + _inner(core))
     return out
-
-
-def _site_stats(site: Site, g: list, reduced: bool) -> list[float]:
-    """Local and propagated error, overflow, underflow, peak and loss share
-    of one site (host-side, float64)."""
-    fo = [i for i, y in enumerate(site.y32) if is_float(getattr(y, "dtype", None))]
-    want = [site.y32[i] for i in fo]
-    if not want:
-        return [0.0] * 6
-    local = [site.local[i] for i in fo]
-    prop = _rel([site.amp[i] for i in fo], want)
-    if not reduced:  # amp's step is float32's: no local error
-        return [0.0, prop, 0.0, 0.0, _fractions(want, want)[2], 0.0]
-    loss_share = abs(
-        sum(
-            float(
-                np.vdot(
-                    np.asarray(gi, np.float64),
-                    np.asarray(lo, np.float64) - np.asarray(w, np.float64),
-                )
-            )
-            for gi, lo, w in zip(g, local, want)
-        )
-    )
-    return [_rel(local, want), prop, *_fractions(local, want), loss_share]
 
 
 def _site_meta(site: Site, cache: dict) -> tuple:
@@ -329,11 +300,12 @@ def precision_report(
     """Where ``amp(loss_fn)`` loses accuracy against float32, per equation,
     ``named_scope`` path, scan iteration and parameter group.
 
-    Runs the float32 and the amp step on the same inputs in one differential
-    walk (see ``jaxamp/_tools/_precision_walk.py``), one backward pass for
-    every equation's float32 cotangent, each equation's backward pass at the
-    float32 point, and amp's own gradient, all in one compiled function
-    (scans unrolled): the cost of a few training steps, not one run per scope.
+    Runs amp's own jitted step, then one compiled function: the float32 and
+    the amp step on the same inputs in one differential walk (see
+    ``jaxamp/_tools/_precision_walk.py``; a loop's body traced once), one
+    backward pass for every equation's float32 cotangent, each equation's
+    backward pass at the float32 point, and one JVP of the float32 gradient
+    along every scope's local errors (the ranking): no run per scope.
 
     Args:
         loss_fn: ``loss_fn(params, *rest, **kwargs)`` returning a float scalar
@@ -370,30 +342,32 @@ def precision_report(
             f"{group_depth!r}; 1 groups parameters by their top-level keys."
         )
     cd = canonical_dtype(compute_dtype, argname="compute_dtype")
+    out = jax.eval_shape(lambda: loss_fn(*args, **kwargs))
+    _check_loss(out[0] if has_aux else out)
     scale = float(loss_scale or (2.0**15 if cd == np.float16 else 1.0))
+    # amp's own step first (jitted as the user's step is): its gradient is the
+    # error the ranking apportions.
+    lossa, ga = amp_gradients(loss_fn, args, kwargs, cd, amp_policy, has_aux, scale)
     cache: dict = {}
-    walk = _walk(loss_fn, args, kwargs, cd, amp_policy, has_aux, cache, scale)
-    sites, cts, g32, loss32, back_all = walk
-    reduced = [_format(st, cache)[1] for st in sites]
+    walk = _walk(loss_fn, args, kwargs, cd, amp_policy, has_aux, cache, scale, ga)
+    sites, stats, g32, loss32, back_all, effect = walk
     norm = sum(_sq(x) for x in g32) ** 0.5
     records = [
-        _record(_site_meta(st, cache), [*_site_stats(st, g, r), bk], norm)
-        for st, g, r, bk in zip(sites, cts, reduced, back_all)
+        _record(_site_meta(st, cache), [*row, bk], norm)
+        for st, row, bk in zip(sites, stats, back_all)
     ]
     runner = _precision_suggest.Runner(
         loss_fn, args, kwargs, cd, amp_policy, has_aux, scale, g32, loss32,
         amp_gradients,
     )  # fmt: skip
-    return _assemble(runner, records, group_depth)
+    return _assemble(runner, records, group_depth, lossa, ga, effect)
 
 
-def _assemble(runner: Any, records: list, group_depth: int) -> PrecisionReport:
-    """The report: amp's measured gradient (one jitted step) against float32's
-    per parameter group, the records, the runner for ``suggest``."""
+def _assemble(runner, records, group_depth, lossa, ga, effect) -> PrecisionReport:
+    """The report: amp's measured gradient against float32's per parameter
+    group, the records, each scope's estimated effect, the runner for
+    ``suggest``."""
     r = runner
-    lossa, ga = amp_gradients(
-        r.fn, r.args, r.kwargs, r.compute_dtype, r.policy, r.has_aux, r.scale
-    )
     params = eqx.filter(r.args[0], eqx.is_array)
     names = [
         n
@@ -401,6 +375,18 @@ def _assemble(runner: Any, records: list, group_depth: int) -> PrecisionReport:
         if is_float(x.dtype)
     ]
     tree = jax.tree.structure(eqx.filter(params, lambda x: is_float(x.dtype)))
+    scopes, d_loss, dots, sq, model_sq, fit = effect
+    loss_err = float(np.sum(d_loss))  # the model's loss error
+    grad_removed = {
+        k: float((2 * d - n) / model_sq) if model_sq else 0.0
+        for k, d, n in zip(scopes, dots, sq)
+    }
+    loss_removed = {
+        k: float((abs(loss_err) - abs(loss_err - dl)) / abs(loss_err))
+        if loss_err
+        else 0.0
+        for k, dl in zip(scopes, d_loss)
+    }
     return PrecisionReport(
         records=records,
         loss32=r.loss32,
@@ -410,13 +396,24 @@ def _assemble(runner: Any, records: list, group_depth: int) -> PrecisionReport:
         grads=jax.tree.unflatten(tree, ga),
         grads32=jax.tree.unflatten(tree, r.g32),
         runner=r,
+        removed={"grad": grad_removed, "loss": loss_removed},
+        linear_fit=float(fit),
     )
 
 
-def _walk(fn, args, kwargs, cd, policy, has_aux, cache, scale):
+def _check_loss(loss: Any) -> None:
+    if not (jnp.ndim(loss) == 0 and jnp.issubdtype(loss.dtype, jnp.floating)):
+        raise ValueError(
+            "precision_report: loss_fn must return a float scalar (or "
+            f"(loss, aux) with has_aux=True), got {jax.typeof(loss)}."
+        )
+
+
+def _walk(fn, args, kwargs, cd, policy, has_aux, cache, scale, ga):
     """Trace ``fn``; the differential walk's sites, their float32
-    cotangents, the float32 gradient (leaves of ``args[0]``'s float arrays)
-    and the float32 loss."""
+    cotangents, the float32 gradient (leaves of ``args[0]``'s float arrays),
+    the float32 loss, the backward errors and each scope's effect (see
+    :func:`_compiled_walk`)."""
     dynamic, static = eqx.partition((args, kwargs), eqx.is_array)
     leaves, treedef = jax.tree_util.tree_flatten(dynamic)
     n0 = len(jax.tree.leaves(eqx.filter(args[0], eqx.is_array)))
@@ -425,62 +422,74 @@ def _walk(fn, args, kwargs, cd, policy, has_aux, cache, scale):
     def flat(*xs):
         a, kw = eqx.combine(jax.tree_util.tree_unflatten(treedef, xs), static)
         out = fn(*a, **kw)
-        loss = out[0] if has_aux else out
-        if not (jnp.ndim(loss) == 0 and jnp.issubdtype(loss.dtype, jnp.floating)):
-            raise ValueError(
-                "precision_report: loss_fn must return a float scalar (or "
-                f"(loss, aux) with has_aux=True), got {jax.typeof(loss)}."
-            )
-        return [loss]
+        return [out[0] if has_aux else out]
 
     core, consts = _compat.jaxpr_parts(jax.make_jaxpr(flat)(*leaves))
     ctx = AmpContext(cd, AmpPolicy(policy), DEFAULT_PIPELINE)
     edge = ((0,) * len(core.outvars), None)
     reduced = lambda site: _format(site, cache)[1]  # noqa: E731
-    return _compiled_walk(core, consts, leaves, wrt, ctx, edge, reduced, scale)
+    return _compiled_walk(core, consts, leaves, wrt, ctx, edge, reduced, scale, ga)
 
 
-_FIELDS = ("x32", "y32", "local", "amp")
-# The analysis runs once: XLA:CPU's LLVM optimisations would cost more compile
-# time than they save (the rounding of each operation is XLA's, not LLVM's).
-_FAST_COMPILE = {"xla_backend_optimization_level": 0}
+# Compiler options of the analysis (XLA's defaults: at backend optimisation
+# level 0 its run, with the ranking's JVP, costs more than the compile saves).
+_FAST_COMPILE: dict = {}
 
 
-def _compiled_walk(core, consts, leaves, wrt, ctx, edge, reduced, scale):
-    """One compiled function: the differential walk, the probe pass and every
-    reduced site's backward error. Returns the sites (their values concrete,
-    read back from its outputs), their cotangents, the float32 gradient, the
-    float32 loss and the backward errors."""
+def _compiled_walk(core, consts, leaves, wrt, ctx, edge, reduced, scale, ga):
+    """One compiled function: the differential walk, the probed float32
+    gradient, every reduced site's backward error, and each scope's effect:
+    the JVP of the probed gradient (:func:`probed_gradient`) in the direction
+    of the scope's local forward and backward errors, i.e. the change of the
+    loss and of the gradient those errors cause through the rest of the step
+    (first order in the local errors, exact propagation), for every scope at
+    once (``vmap`` over scopes), against amp's measured gradient ``ga``.
+
+    Returns the sites (their values concrete, read back from its outputs),
+    their cotangents, the float32 gradient, the float32 loss, the backward
+    errors and ``(scopes, loss change, <measured, change>, |change|^2,
+    |measured|^2, linear-model residual)`` (per scope where indexed)."""
     box: list = []
-    index: dict = {}  # id of a traced value -> its position in the outputs
 
-    def run(xs):
+    def run(xs, ga):
         visitor = DiffVisitor(reduced)
         pairs, cpairs = [(x, x) for x in xs], [(c, c) for c in consts]
-        out = traverse(visitor, core, cpairs, pairs, ctx, edge)
-        cts, g32 = probe_cotangents(core, consts, xs, wrt, ctx, edge)
+        traverse(visitor, core, cpairs, pairs, ctx, edge)
         sites = visitor.sites
         box.append(sites)
-        back = backward_errors(sites, cts, [reduced(st) for st in sites], scale)
-        vals = [v for st in sites for f in _FIELDS for v in getattr(st, f)]
-        traced = list({id(v): v for v in vals if _traced(v)}.values())
-        index.update((id(v), k) for k, v in enumerate(traced))
-        return [out[0][0], back, cts, g32, traced]
+        shapes = probe_shapes(core, consts, xs, ctx, edge)
+        chosen = [
+            reduced(st) and bool(o) and bool(i)
+            for st, o, i in zip(sites, shapes.shapes, shapes.in_shapes)
+        ]
+        # Probes only where amp's equation differs from float32's.
+        fp0 = [
+            [jnp.zeros(a.shape, a.dtype) for a in sh] if c else None
+            for sh, c in zip(shapes.shapes, chosen)
+        ]
+        bp0 = [
+            [jnp.zeros(a.shape, jnp.float32) for a in sh] if c else None
+            for sh, c in zip(shapes.in_shapes, chosen)
+        ]
+        G = probed_gradient(core, consts, xs, wrt, ctx, edge, shapes.counts)
+        params = [xs[i] for i in wrt]
+        (loss32, (g32, cts)), lin = jax.linearize(
+            lambda fp, bp: G(params, fp, bp), fp0, bp0
+        )
+        deltas = backward_deltas(sites, cts, chosen, scale)
+        back = norms(sites, deltas)
+        names = [scope_path(st.scopes) for st in sites]
+        scopes, effect = scope_effects(names, sites, chosen, deltas, lin, ga, g32)
+        box.append(scopes)
+        stats = [with_share(st, g) for st, g in zip(sites, cts)]
+        return [loss32, back, stats, g32, effect]
 
-    compiled = jax.jit(run).lower(leaves).compile(_FAST_COMPILE)
-    loss32, back, cts, g32, vals = compiled(leaves)
-    for site in box[0]:
-        for field in _FIELDS:
-            got = [
-                vals[index[id(v)]] if _traced(v) else v for v in getattr(site, field)
-            ]
-            setattr(site, field, got)
-    back = np.asarray(back, np.float64)
-    return box[0], cts, g32, float(loss32), back
-
-
-def _traced(v: Any) -> bool:
-    return _compat.is_tracer(v)
+    compiled = jax.jit(run).lower(leaves, ga).compile(_FAST_COMPILE)
+    loss32, back, stats, g32, effect = compiled(leaves, ga)
+    sites, stats, back = per_iteration(box[0], stats, back)
+    d_loss, dots, sq, model_sq, fit = (np.asarray(e, np.float64) for e in effect)
+    effect = (box[1], d_loss, dots, sq, float(model_sq), float(fit))
+    return sites, stats, g32, float(loss32), back, effect
 
 
 @dataclasses.dataclass
@@ -497,6 +506,14 @@ class PrecisionReport:
         grads: amp's gradient w.r.t. ``args[0]``'s float arrays (its
             structure, other leaves None).
         grads32: float32's gradient, the same structure.
+        removed: ``{"grad": {scope: share}, "loss": {scope: share}}``: the
+            estimated share of the error each scope's restoring removes
+            (:meth:`scopes`).
+        linear_fit: ``|sum_s dg_s| / |dg|``: the size of the ranking's
+            model of the gradient error (the sum of the scopes' propagated
+            errors ``dg_s``) against amp's measured one ``dg`` (near 1: the
+            model accounts for the error's size; far from 1: the ranking is a
+            poor guide, check it with :meth:`suggest`, which measures).
     """
 
     records: list
@@ -507,6 +524,8 @@ class PrecisionReport:
     grads: Any = None
     grads32: Any = None
     runner: Any = dataclasses.field(default=None, repr=False)
+    removed: dict = dataclasses.field(default_factory=dict)
+    linear_fit: float = float("nan")
 
     @property
     def grad_error(self) -> float:
@@ -519,24 +538,23 @@ class PrecisionReport:
         return abs(self.loss - self.loss32) / max(abs(self.loss32), 1e-30)
 
     def scopes(self, by: str = "grad") -> dict[str, float]:
-        """``{scope path: share}``, largest first: the sites' gradient
-        (``by="grad"``, added in quadrature) or loss (``by="loss"``, summed)
-        shares per ``named_scope`` path."""
+        """``{scope path: share of the error removed}``, largest first: per
+        ``named_scope`` path (one entry for all the scan iterations of a
+        scope), the estimated share of amp's squared gradient error
+        (``by="grad"``) or of its loss error (``by="loss"``) that running
+        the scope's reduced-precision equations as float32 does would remove
+        (what overriding the scope in the policy buys; see
+        :func:`jaxamp.precision_report`). A share can be negative (errors of
+        the scope cancel others') or, for the loss, above the other scopes'
+        sum."""
         if by not in ("grad", "loss"):
             raise ValueError(f"scopes(by=...) is 'grad' or 'loss', got {by!r}.")
-        out: dict[str, float] = {}
-        for r in self.records:
-            if by == "grad":
-                out[r.scope] = out.get(r.scope, 0.0) + r.grad_share**2
-            else:
-                out[r.scope] = out.get(r.scope, 0.0) + r.loss_share
-        if by == "grad":
-            out = {k: v**0.5 for k, v in out.items()}
-        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+        return dict(sorted(self.removed[by].items(), key=lambda kv: -kv[1]))
 
     def top(self, k: int = 5, by: str = "grad") -> list[str]:
-        """The ``k`` scope paths with the largest share of the gradient
-        (``by="grad"``) or loss (``by="loss"``) error, largest first."""
+        """The ``k`` scope paths whose restoring removes the largest share of
+        the gradient (``by="grad"``) or loss (``by="loss"``) error, largest
+        first (:meth:`scopes`)."""
         return list(self.scopes(by))[:k]
 
     def suggest(

@@ -7,7 +7,7 @@ evaluation per trial; here the ranking predicts how many to try first)."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import equinox as eqx
@@ -82,9 +82,12 @@ class Runner:
         return share(1), share(2)
 
 
-@dataclasses.dataclass
-class Suggestion:
+@dataclasses.dataclass(eq=False)
+class Suggestion(Mapping):
     """A verified policy change (:meth:`jaxamp.PrecisionReport.suggest`).
+
+    A read-only mapping: its items are ``policy``'s, so the suggestion itself
+    is an ``amp_policy`` (``amp(loss, amp_policy=report.suggest(...))``).
 
     Attributes:
         policy: the amp policy to pass as ``amp_policy`` (the report's policy
@@ -106,6 +109,15 @@ class Suggestion:
     met: bool
     eight_bit_moved: float
     low_precision_moved: float
+
+    def __getitem__(self, key: Any) -> Any:
+        return self.policy[key]
+
+    def __iter__(self) -> Iterator:
+        return iter(self.policy)
+
+    def __len__(self) -> int:
+        return len(self.policy)
 
     def __str__(self) -> str:
         keys = ", ".join(f"{k!r} -> {v}" for k, v in self.overrides.items())
@@ -193,19 +205,19 @@ def suggest(
 
 
 def _predicted(report, shares, grad_error, loss_error, max_overrides) -> int:
-    """How many of the ranked scopes the first-order shares say are needed."""
+    """How many of the ranked scopes the estimated shares of the error they
+    remove (:meth:`jaxamp.PrecisionReport.scopes`) say are needed."""
     vals = list(shares.values())
     if grad_error is not None:
         now, target, sq = report.grad_error, grad_error, True
     else:
         now, target, sq = report.loss_error, loss_error, False
-    total = sum(v**2 if sq else v for v in vals)
-    if now <= target or not total:
+    if now <= target or not vals:
         return 0
     removed = 0.0
     for n, v in enumerate(vals[:max_overrides], 1):
-        removed += v**2 if sq else v
-        left = max(0.0, 1.0 - removed / total)
+        removed += v
+        left = max(0.0, 1.0 - removed)
         if now * (left**0.5 if sq else left) <= target:
             return n
     return min(max_overrides, len(vals))

@@ -2,13 +2,17 @@
 
 One traversal of the float32 jaxpr, equation by equation in Python:
 calls (``jit``, ``remat``, ``custom_jvp``/``custom_vjp`` primal bodies) are
-inlined, loops with a static trip count (a ``lax.scan``) unrolled, each
-iteration's equations sites of their own, as the primitives' registered
-descriptions (``_base/_structure.py``) say; any other equation with
-sub-jaxprs (a while loop, a conditional, ``shard_map``) is one site, run
-whole. Every value is carried twice: as float32
-computes it and as amp computes it. Each first-order equation (a *site*) is
-bound three times:
+inlined; a loop with a static trip count (a ``lax.scan``, a ``fori_loop``
+with static bounds) is walked as a ``lax.scan`` whose body is the traversal
+of its body, traced once (:func:`scan_loop`): the carry holds the float32
+and amp values side by side, the per-iteration outputs are each site's
+statistics (and, for a reduced-precision site, its forward error and float32
+inputs), so the compiled analysis holds one body however many iterations
+run (``UNROLL = True`` unrolls instead, one site per equation and iteration:
+the tests' reference). Any other equation with sub-jaxprs (a while loop, a
+conditional, ``shard_map``) is one site, run whole. Every value is carried
+twice: as float32 computes it and as amp computes it. Each first-order
+equation (a *site*) is bound three times:
 
 * in float32 on the float32 inputs (the reference);
 * by jaxamp's own interpreter step (:meth:`jaxamp._walk._loop.Walk.run_eqn`:
@@ -18,9 +22,11 @@ bound three times:
   numeric-suite shadow logger measures (``torch.ao.ns._numeric_suite_fx``
   ``add_shadow_loggers``).
 
-The same traversal, run on float32 values only under ``jax.grad`` with a zero
-*probe* added to every site's outputs, gives every site's float32 cotangent
-``dL/dy`` in one backward pass (:func:`probe_cotangents`).
+The same traversal, run on float32 values only under ``jax.grad`` with zero
+*probes* added to every reduced-precision site's outputs and to its inputs'
+cotangents (:class:`ProbeVisitor`, :func:`probed_gradient`), gives every
+site's float32 cotangent ``dL/dy`` in one backward pass, and its JVP along a
+scope's local errors the error they cause in the gradient.
 
 Pattern rewrites (fused attention, the RMSNorm region) are not replayed: their
 equations are walked one by one under the per-equation rules, whose value
@@ -61,6 +67,16 @@ class Site:
         y32: its float32 outputs.
         local: the amp step's outputs on ``x32``.
         amp: the amp step's outputs on amp's inputs.
+        stack: the trip counts of the loops the site was traced in once
+            (outermost first; empty outside a loop). Such a site keeps
+            ``stats``, ``delta`` and, for a reduced-precision site, ``x32``
+            with these leading axes (one entry per iteration); its other
+            values are avals (``jax.ShapeDtypeStruct``) with them.
+        stats: :func:`site_stats` (per iteration in a loop).
+        delta: :func:`forward_delta` of a reduced-precision site, else None.
+        order: its place in an unrolled walk: positions in the enclosing
+            traversals, a None before each loop body's position standing for
+            that loop's iteration (``-trips`` for a loop run in reverse).
     """
 
     eqn: Any
@@ -72,6 +88,10 @@ class Site:
     y32: list
     local: list
     amp: list
+    stack: tuple = ()
+    order: tuple = ()
+    stats: Any = None
+    delta: list | None = None
 
     def run_amp(self, invals: list) -> list:
         """The amp interpreter step on ``invals`` (a list of outputs)."""
@@ -99,6 +119,78 @@ def _float_outs(outs: list) -> list[int]:
     return [i for i, y in enumerate(outs) if is_float(getattr(y, "dtype", None))]
 
 
+_FIELDS = ("x32", "y32", "local", "amp")
+# Float32 values in float32's top binade (``jnp.finfo(jnp.float32).min``, the
+# attention-mask value) are sentinels: a low-precision format holds them as the
+# same-signed infinity, which masks as well (softmax gives 0 either way).
+_SENTINEL = 2.0**127
+
+
+def _sat(got: jax.Array, w: jax.Array) -> jax.Array:
+    """Where ``got`` holds ``w``'s sentinel as a same-signed infinity."""
+    same = jnp.sign(got) == jnp.sign(w)
+    return (jnp.isinf(got) & (jnp.abs(w) >= _SENTINEL) & same) | (
+        jnp.isinf(w) & (got == w)
+    )
+
+
+def _diff(got: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    m = _sat(got, w)
+    return jnp.where(m, 0.0, got - jnp.where(m, 0.0, w)), jnp.where(m, 0.0, w)
+
+
+def site_stats(site: Site, reduced: bool) -> jax.Array:
+    """Local and propagated relative L2 error, overflow and underflow
+    fractions and the peak float32 magnitude of a site's float outputs, a
+    float32 vector of 5 (float32 arithmetic, traced with the walk).
+    Sentinels held as infinities count as exact and leave the norms (and the
+    overflow count); overflow counts amp's non-finite values where
+    float32's are finite, underflow its zeros where float32's are not."""
+    fo = _float_outs(site.y32)
+    if not fo:
+        return jnp.zeros(5, jnp.float32)
+    f32 = lambda v: jnp.asarray(v).astype(jnp.float32)  # noqa: E731
+    want = [f32(site.y32[i]) for i in fo]
+
+    def rel(got):
+        pairs = [_diff(f32(x), w) for x, w in zip(got, want)]
+        num = sum(jnp.sum(jnp.square(d)) for d, _ in pairs)
+        den = sum(jnp.sum(jnp.square(w)) for _, w in pairs)
+        safe = jnp.where(den > 0, den, 1.0)
+        return jnp.where(den > 0, jnp.sqrt(num / safe), (num > 0).astype(jnp.float32))
+
+    local = [f32(site.local[i]) for i in fo]
+    prop = rel([site.amp[i] for i in fo])
+    size = np.float32(sum(w.size for w in want) or 1)
+    over = under = peak = jnp.float32(0)
+    for lo, w in zip(local, want):
+        fin = jnp.isfinite(w) & ~_sat(lo, w)
+        over = over + jnp.sum(~jnp.isfinite(lo) & fin, dtype=jnp.float32)
+        under = under + jnp.sum((lo == 0) & (w != 0) & fin, dtype=jnp.float32)
+        keep = fin & (jnp.abs(w) < _SENTINEL)
+        if w.size:
+            peak = jnp.maximum(peak, jnp.max(jnp.abs(jnp.where(keep, w, 0.0))))
+    if not reduced:  # amp's step is float32's: no local error
+        zero = jnp.float32(0)
+        return jnp.stack([zero, prop, zero, zero, peak])
+    return jnp.stack([rel(local), prop, over / size, under / size, peak])
+
+
+def forward_delta(site: Site) -> list:
+    """``local - y32`` per float output (of ``y32``'s dtype): a sentinel held
+    as an infinity counts 0, an overflow counts as the format's largest
+    value, a NaN as 0."""
+    out = []
+    for i in _float_outs(site.y32):
+        lo, w = site.local[i], site.y32[i]
+        fmax = np.float32(jnp.finfo(lo.dtype).max)
+        lo, w = lo.astype(jnp.float32), w.astype(jnp.float32)
+        d = jnp.clip(lo, -fmax, fmax) - w
+        d = jnp.where(_sat(lo, w) | ~jnp.isfinite(d), 0.0, d)
+        out.append(d.astype(site.y32[i].dtype))
+    return out
+
+
 class _Visitor:
     """What the traversal does with values: pairs (float32, amp) in the
     differential walk, float32 tracers in the probe pass."""
@@ -121,6 +213,74 @@ class _Visitor:
     def stack(self, vals: list):
         return jnp.stack(vals)
 
+    def loop(self, eqn, structure, f, invals, ctx, iteration) -> list:
+        """A loop with a static trip count, its body traced once (a scan)."""
+        raise NotImplementedError
+
+
+# Loops are walked as loops (their body traced once); True unrolls them, one
+# site per equation and iteration (the reference the tests compare against).
+UNROLL = False
+
+
+def _loop_parts(visitor, eqn, structure, f, invals, ctx):
+    """``(sub, core, consts, args, boundary)`` of a loop equation: its body,
+    the body's operands with the carries' first values chosen by
+    ``visitor.carry``."""
+    (sub,) = structure.subs
+    core, sc = _compat.jaxpr_parts(sub.jaxpr)
+    args = [invals[i] for i in sub.inputs]
+    carried = [j for _, j in sub.carries]
+    first = visitor.carry(eqn, f, ctx, [args[j] for j in carried])
+    for j, c in zip(carried, first):
+        args[j] = c
+    return sub, core, sc, args, f.boundary_for(sub.jaxpr)
+
+
+def _as_array(x: Any, like: Any = None) -> jax.Array:
+    """``x`` as a strongly typed array (of ``like``'s dtype if given): a loop
+    carry keeps one type."""
+    dtype = jnp.result_type(x) if like is None else like.dtype
+    return jax.lax.convert_element_type(jnp.asarray(x), dtype)
+
+
+def scan_loop(visitor, eqn, structure, f, invals, ctx, body_fn):
+    """Run a loop equation as ``lax.scan``: carries and sliced operands as
+    the description says; ``body_fn(step_args) -> (outs, extra_ys)`` traverses
+    the body once. Returns ``(equation outputs, stacked extra_ys)``."""
+    sub, core, sc, args, boundary = _loop_parts(visitor, eqn, structure, f, invals, ctx)
+    carried = [j for _, j in sub.carries]
+    conv = lambda x, like=None: jax.tree.map(
+        _as_array, x, *(() if like is None else (like,))
+    )  # noqa: E731
+    init = [conv(args[j]) for j in carried]
+    xs = [args[j] for j in sub.sliced]
+
+    def body(carry, x):
+        step = list(args)
+        for j, c in zip(carried, carry):
+            step[j] = c
+        for j, v in zip(sub.sliced, x):
+            step[j] = v
+        outs, extra = body_fn(core, sc, step, boundary)
+        new = [conv(outs[k], c) for (k, _), c in zip(sub.carries, carry)]
+        ys = [outs[k] for k in sub.stacked]
+        return new, (ys, extra)
+
+    last, (ys, extra) = jax.lax.scan(
+        body, init, xs, length=structure.trips, reverse=structure.reverse
+    )
+    result: list = [None] * len(eqn.outvars)
+    carry_of = {k: c for (k, _), c in zip(sub.carries, last)}
+    for k, o in enumerate(sub.outputs):
+        if o is None:
+            continue
+        if k in sub.stacked:
+            result[o] = ys[sub.stacked.index(k)]
+        else:
+            result[o] = visitor.restore(carry_of[k], eqn.outvars[o].aval)
+    return result, extra
+
 
 class DiffVisitor(_Visitor):
     """Values are ``(float32, amp)`` pairs; records a :class:`Site` per leaf."""
@@ -128,6 +288,7 @@ class DiffVisitor(_Visitor):
     def __init__(self, reduced: Callable[[Site], bool]):
         self.sites: list[Site] = []
         self.reduced = reduced
+        self.n = 0  # positions given so far (a loop takes one)
 
     def leaf(self, eqn, facts, ctx, scopes, iteration, invals):
         x32 = [v[0] for v in invals]
@@ -135,10 +296,51 @@ class DiffVisitor(_Visitor):
         y32 = bind_eqn(eqn, x32)
         ya = amp_step(eqn, facts, ctx, xa)
         site = Site(eqn, facts, ctx, scopes, iteration, x32, y32, y32, ya)
-        if self.reduced(site):  # else amp's step on x32 is float32's
+        site.order = (self.n,)
+        self.n += 1
+        reduced = self.reduced(site)
+        if reduced:  # else amp's step on x32 is float32's
             site.local = amp_step(eqn, facts, ctx, x32)
+        site.stats = site_stats(site, reduced)
+        if reduced and _float_outs(y32):
+            site.delta = forward_delta(site)
         self.sites.append(site)
         return list(zip(y32, ya))
+
+    def loop(self, eqn, structure, f, invals, ctx, iteration):
+        # The body's per-iteration outputs: each site's statistics, and for a
+        # reduced-precision site its forward error and float32 inputs (what
+        # its backward error and the ranking need); other values are avals.
+        box: list = []
+
+        def body_fn(core, sc, step, boundary):
+            inner = DiffVisitor(self.reduced)
+            outs = traverse(inner, core, sc, step, ctx, boundary, iteration)
+            box.append(inner.sites)
+            ys = []
+            for st in inner.sites:
+                keep = st.delta is not None and bool(_float_inputs(st))
+                x32 = [_as_array(x) for x in st.x32] if keep else None
+                ys.append((st.stats, st.delta, x32))
+            return outs, ys
+
+        outs, stacked = scan_loop(self, eqn, structure, f, invals, ctx, body_fn)
+        pos = self.n
+        self.n += 1
+        trips = structure.trips
+        lift = lambda v: jax.ShapeDtypeStruct(  # noqa: E731
+            (trips, *np.shape(v)), getattr(v, "dtype", None) or jnp.result_type(v)
+        )
+        for st, (stats, delta, x32) in zip(box[0], stacked):
+            st.stats, st.delta = stats, delta
+            st.x32 = x32 if x32 is not None else [lift(v) for v in st.x32]
+            st.y32, st.amp = [lift(v) for v in st.y32], [lift(v) for v in st.amp]
+            st.local = st.y32 if st.delta is None else [lift(v) for v in st.local]
+            st.stack = (trips, *st.stack)
+            mark = -trips if structure.reverse else None
+            st.order = (pos, mark, *st.order)
+            self.sites.append(st)
+        return outs
 
     def carry(self, eqn, facts, ctx, carries):
         # The policy's rule for scan chooses amp's carry dtypes (bfloat16
@@ -165,17 +367,76 @@ class DiffVisitor(_Visitor):
 
 class ProbeVisitor(_Visitor):
     """Float32 values; adds ``probes[k]`` to the float outputs of the k-th
-    leaf (the order of :class:`DiffVisitor`'s sites)."""
+    leaf (the order of :class:`DiffVisitor`'s sites) and, where
+    ``back[k]`` is given, ``<back[k][j], x_j>`` over its float inputs to
+    :attr:`extra`: a term whose gradient adds ``back[k][j]`` to the
+    cotangent of input ``j``, as an error of the equation's backward pass
+    does."""
 
-    def __init__(self, probes: list | None):
+    def __init__(
+        self, probes: list | None, back: list | None = None, counts: dict | None = None
+    ):
         self.probes = probes
+        self.back = back
         self.shapes: list[list] = []
+        self.in_shapes: list[list] = []
+        self.extra = jnp.float32(0)
+        # id of a loop equation -> how many sites its body has (a first pass
+        # on avals fills it; a probed pass reads it to hand the body its share).
+        self.counts = {} if counts is None else counts
+
+    def loop(self, eqn, structure, f, invals, ctx, iteration):
+        k0 = len(self.shapes)
+        n = self.counts.get(id(eqn))
+        if n is None and (self.probes is not None or self.back is not None):
+            raise AssertionError("probe_shapes runs before a probed pass")
+        box: list = []
+
+        def body_fn(core, sc, step, boundary):
+            step, probes, back = step[:-2], step[-2], step[-1]
+            inner = ProbeVisitor(probes, back, self.counts)
+            outs = traverse(inner, core, sc, step, ctx, boundary, iteration)
+            box.append(inner)
+            return outs, inner.extra
+
+        def take(xs):
+            return None if xs is None else xs[k0 : k0 + n]
+
+        # The body's probes ride along as two more sliced operands.
+        sub = structure.subs[0]
+        extra_ops = [take(self.probes), take(self.back)]
+        structure2 = dataclasses.replace(
+            structure,
+            subs=(
+                dataclasses.replace(
+                    sub,
+                    inputs=(*sub.inputs, len(invals), len(invals) + 1),
+                    sliced=(*sub.sliced, len(sub.inputs), len(sub.inputs) + 1),
+                ),
+            ),
+        )
+        outs, extra = scan_loop(
+            self, eqn, structure2, f, [*invals, *extra_ops], ctx, body_fn
+        )
+        inner = box[0]
+        self.counts[id(eqn)] = len(inner.shapes)
+        lift = lambda a: jax.ShapeDtypeStruct((structure.trips, *a.shape), a.dtype)  # noqa: E731
+        self.shapes.extend([[lift(a) for a in sh] for sh in inner.shapes])
+        self.in_shapes.extend([[lift(a) for a in sh] for sh in inner.in_shapes])
+        self.extra = self.extra + jnp.sum(extra)
+        return outs
 
     def leaf(self, eqn, facts, ctx, scopes, iteration, invals):
         outs = bind_eqn(eqn, invals)
         k = len(self.shapes)
         self.shapes.append([jax.typeof(outs[i]) for i in _float_outs(outs)])
-        if self.probes is not None:
+        fi = _float_outs(invals)
+        self.in_shapes.append([jax.typeof(invals[i]) for i in fi])
+        if self.back is not None and self.back[k] is not None:
+            for j, i in enumerate(fi):
+                r = self.back[k][j]
+                self.extra = self.extra + jnp.vdot(r, invals[i].astype(r.dtype))
+        if self.probes is not None and self.probes[k] is not None:
             for j, i in enumerate(_float_outs(outs)):
                 outs[i] = outs[i] + self.probes[k][j]
         return outs
@@ -210,7 +471,10 @@ def traverse(
             )
             outs = [visitor.restore(o, v.aval) for o, v in zip(outs, eqn.outvars)]
         elif structure is not None and structure.unrollable and structure.trips:
-            outs = _unroll(visitor, eqn, structure, f, invals, inner, iteration)
+            if UNROLL:
+                outs = _unroll(visitor, eqn, structure, f, invals, inner, iteration)
+            else:
+                outs = visitor.loop(eqn, structure, f, invals, inner, iteration)
         else:  # first-order, or run whole (a while loop, a conditional, ...)
             outs = visitor.leaf(eqn, f, ctx, scopes, iteration, invals)
         env.update(zip(eqn.outvars, outs))
@@ -228,7 +492,7 @@ def _unroll(visitor, eqn, structure: Structure, f, invals, ctx, iteration) -> li
     carried = [j for _, j in sub.carries]
     first = visitor.carry(eqn, f, ctx, [args[j] for j in carried])
     for j, c in zip(carried, first):
-        args[j] = c
+        args[j] = jax.tree.map(_as_array, c)
     boundary = f.boundary_for(sub.jaxpr)
     steps = range(structure.trips)
     ys = []
@@ -237,8 +501,8 @@ def _unroll(visitor, eqn, structure: Structure, f, invals, ctx, iteration) -> li
             visitor.index(x, t) if j in sub.sliced else x for j, x in enumerate(args)
         ]
         outs = traverse(visitor, core, sc, step, ctx, boundary, (*iteration, t))
-        for k, j in sub.carries:
-            args[j] = outs[k]
+        for k, j in sub.carries:  # a carry keeps its type, as in lax.scan
+            args[j] = jax.tree.map(_as_array, outs[k], args[j])
         ys.append(outs)
     if structure.reverse:
         ys.reverse()
@@ -254,90 +518,5 @@ def _unroll(visitor, eqn, structure: Structure, f, invals, ctx, iteration) -> li
     return result
 
 
-def probe_cotangents(
-    core: Any,
-    consts: list,
-    leaves: list,
-    wrt: list[int],
-    ctx: AmpContext,
-    edge: tuple,
-) -> tuple[list[list], list]:
-    """Every site's float32 cotangent ``dL/dy`` (its float outputs) and the
-    float32 gradient w.r.t. ``leaves[i]`` for ``i`` in ``wrt``, from one
-    backward pass through the traversal with zero probes added.
-
-    Args:
-        core: the float32 jaxpr of the flattened function (loss first).
-        consts: its constants.
-        leaves: its float32 inputs.
-        wrt: indices of the leaves to differentiate (the parameters).
-        ctx: the amp context (only its pipeline is read: the facts).
-        edge: the facts boundary of the function's outputs.
-
-    Returns:
-        ``(cotangents, gradient)``: per site (:class:`DiffVisitor` order), per
-        float output, the cotangent; the gradient per ``wrt`` leaf.
-    """
-    shapes_v = ProbeVisitor(None)
-    jax.eval_shape(
-        lambda *xs: traverse(shapes_v, core, consts, list(xs), ctx, edge), *leaves
-    )
-    zeros = [[jnp.zeros(a.shape, a.dtype) for a in s] for s in shapes_v.shapes]
-
-    def loss(params, probes):
-        args = list(leaves)
-        for i, p in zip(wrt, params):
-            args[i] = p
-        out = traverse(ProbeVisitor(probes), core, consts, args, ctx, edge)
-        return out[0].astype(jnp.float32)
-
-    grads, cts = jax.grad(loss, (0, 1))([leaves[i] for i in wrt], zeros)
-    return cts, grads
-
-
 def _float_inputs(site: Site) -> list[int]:
     return [i for i, x in enumerate(site.x32) if is_float(getattr(x, "dtype", None))]
-
-
-def vjp_error(site: Site, prim: list, g: list, scale: float) -> jax.Array:
-    """``|amp VJP - float32 VJP|`` (L2 over the float inputs, a float32
-    scalar) of ``site``'s equation at its float32 inputs (``prim``: the float
-    ones), for cotangent ``g`` of its float outputs: the equation's local
-    backward-pass error. ``scale`` (a float16 loss scale) multiplies ``g``
-    for amp's VJP and divides its result, as loss scaling does."""
-    idx = _float_inputs(site)
-    fo = _float_outs(site.y32)
-
-    def call(fn: Callable) -> Callable:
-        def f(*xs):
-            args = list(site.x32)
-            for i, x in zip(idx, xs):
-                args[i] = x
-            outs = fn(args)
-            return [outs[i].astype(jnp.float32) for i in fo]
-
-        return f
-
-    _, v32 = jax.vjp(call(lambda a: bind_eqn(site.eqn, a)), *prim)
-    _, va = jax.vjp(call(site.run_amp), *prim)
-    ct32 = v32(list(g))
-    cta = va([x * np.float32(scale) for x in g])
-    err = sum(
-        jnp.sum(jnp.square(a.astype(jnp.float32) / np.float32(scale) - b))
-        for a, b in zip(cta, ct32)
-    )
-    return jnp.sqrt(err)
-
-
-def backward_errors(
-    sites: list[Site], cts: list, chosen: list[bool], scale: float
-) -> jax.Array:
-    """:func:`vjp_error` of each site where ``chosen`` (0 elsewhere, and for
-    a site without float inputs or outputs), a float32 vector."""
-    out = [
-        vjp_error(st, [st.x32[i] for i in _float_inputs(st)], g, scale)
-        if c and _float_inputs(st) and _float_outs(st.y32)
-        else jnp.float32(0)
-        for st, g, c in zip(sites, cts, chosen)
-    ]
-    return jnp.stack(out) if out else jnp.zeros((0,), jnp.float32)

@@ -1,0 +1,216 @@
+"""The ranking and the per-iteration bookkeeping of
+:func:`jaxamp.precision_report`: the probed float32 gradient (zero probes on
+the reduced-precision sites' outputs and their inputs' cotangents), each
+site's local backward error, each scope's error propagated through the rest
+of the step (one JVP of the probed gradient, ``vmap``ped over the scopes), and
+a loop's stacked per-iteration results turned into one site per iteration."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._base._jaxpr import bind_eqn
+from ._precision_walk import (
+    ProbeVisitor,
+    Site,
+    _float_inputs,
+    _float_outs,
+    traverse,
+)
+
+
+def probe_shapes(core, consts, leaves, ctx, edge) -> ProbeVisitor:
+    """The traversal run on avals: its sites' float output and input avals."""
+    v = ProbeVisitor(None)
+    jax.eval_shape(lambda *xs: traverse(v, core, consts, list(xs), ctx, edge), *leaves)
+    return v
+
+
+def probed_gradient(core, consts, leaves, wrt, ctx, edge, counts) -> Callable:
+    """``G(params, probes, back) -> (loss, (gradient, cotangents))``: the
+    float32 loss with ``probes`` added to the sites' float outputs, its
+    gradient w.r.t. ``params`` (the leaves ``wrt``) with ``back`` added to
+    the cotangents of the sites' float inputs (:class:`ProbeVisitor`;
+    ``back[k]`` None for a site without one) and w.r.t. ``probes`` (every
+    site's cotangent ``dL/dy``). Linear in ``(probes, back)`` to first order:
+    its JVP in the direction of a scope's local errors is the change of the
+    loss and of the gradient they cause through the rest of the step.
+
+    Args:
+        core: the float32 jaxpr of the flattened function (loss first).
+        consts: its constants.
+        leaves: its float32 inputs.
+        wrt: indices of the leaves to differentiate (the parameters).
+        ctx: the amp context (only its pipeline is read: the facts).
+        edge: the facts boundary of the function's outputs.
+        counts: :attr:`ProbeVisitor.counts` of a :func:`probe_shapes` pass.
+    """
+
+    def loss(params, probes, back):
+        args = list(leaves)
+        for i, p in zip(wrt, params):
+            args[i] = p
+        v = ProbeVisitor(probes, back, counts)
+        out = traverse(v, core, consts, args, ctx, edge)[0].astype(jnp.float32)
+        return out + v.extra, out
+
+    def G(params, probes, back):
+        grads, out = jax.grad(loss, (0, 1), has_aux=True)(params, probes, back)
+        return out, grads
+
+    return G
+
+
+def vjp_delta(site: Site, prim: list, g: list, scale: float) -> list:
+    """``VJP_amp - VJP_32`` (float32, one array per float input) of
+    ``site``'s equation at its float32 inputs (``prim``: the float ones), for
+    cotangent ``g`` of its float outputs: the equation's local backward-pass
+    error. ``scale`` (a float16 loss scale) multiplies ``g`` for amp's VJP
+    and divides its result, as loss scaling does."""
+    idx = _float_inputs(site)
+    fo = _float_outs(site.y32)
+
+    def call(fn: Callable) -> Callable:
+        def f(*xs):
+            args = list(site.x32)
+            for i, x in zip(idx, xs):
+                args[i] = x
+            outs = fn(args)
+            return [outs[i].astype(jnp.float32) for i in fo]
+
+        return f
+
+    _, v32 = jax.vjp(call(lambda a: bind_eqn(site.eqn, a)), *prim)
+    _, va = jax.vjp(call(site.run_amp), *prim)
+    ct32 = v32(list(g))
+    cta = va([x * np.float32(scale) for x in g])
+    return [
+        a.astype(jnp.float32) / np.float32(scale) - b.astype(jnp.float32)
+        for a, b in zip(cta, ct32)
+    ]
+
+
+def backward_deltas(
+    sites: list[Site], cts: list, chosen: list[bool], scale: float
+) -> list:
+    """:func:`vjp_delta` of each site where ``chosen`` (None elsewhere, and
+    for a site without float inputs or outputs); a site traced once in a
+    loop has it per iteration (``vmap`` over its stacked values: traced
+    once)."""
+    out = []
+    for st, g, c in zip(sites, cts, chosen):
+        if not (c and _float_inputs(st) and _float_outs(st.y32)):
+            out.append(None)
+            continue
+        idx = _float_inputs(st)
+        if not st.stack:
+            out.append(vjp_delta(st, [st.x32[i] for i in idx], g, scale))
+            continue
+        n = len(st.stack)
+        flat = lambda v, n=n: v.reshape((-1, *v.shape[n:]))  # noqa: E731
+
+        def one(xs_g, st=st, idx=idx):
+            x32, g = xs_g
+            one_site = dataclasses.replace(st, x32=x32, stack=())
+            return vjp_delta(one_site, [x32[i] for i in idx], g, scale)
+
+        got = jax.vmap(one)(([flat(x) for x in st.x32], [flat(x) for x in g]))
+        out.append([d.reshape((*st.stack, *d.shape[1:])) for d in got])
+    return out
+
+
+def norms(sites: list[Site], deltas: list) -> list:
+    """The L2 norm of each site's deltas (0 for None): a float32 scalar, or
+    per iteration for a site traced once in a loop."""
+    out = []
+    for st, ds in zip(sites, deltas):
+        if not ds:
+            out.append(jnp.zeros(st.stack, jnp.float32))
+            continue
+        n = len(st.stack)
+        sq = [jnp.sum(jnp.square(d), tuple(range(n, d.ndim))) for d in ds]
+        out.append(jnp.sqrt(sum(sq)))
+    return out
+
+
+def with_share(site: Site, g: list | None) -> jax.Array:
+    """The site's statistics (:func:`site_stats`) and its loss share
+    ``|<g, local - y32>|`` (per iteration for a loop's site): ``(*stack, 6)``."""
+    n = len(site.stack)
+    share = jnp.zeros(site.stack, jnp.float32)
+    for gi, d in zip(g or (), site.delta or ()):
+        prod = gi.astype(jnp.float32) * d.astype(jnp.float32)
+        share = share + jnp.sum(prod, tuple(range(n, d.ndim)))
+    return jnp.concatenate([site.stats, jnp.abs(share)[..., None]], -1)
+
+
+def scope_effects(names, sites, chosen, deltas, lin, ga, g32) -> tuple[list, tuple]:
+    """The scope paths (``names[k]``: site ``k``'s) of the reduced-precision
+    sites and, per scope, the
+    change of the loss and of the gradient its local errors cause (``lin``:
+    the linearized probed gradient, ``vmap``ped over the scopes), as
+    ``(loss change, <model total, change>, |change|^2, |model total|^2,
+    |model total| / |measured|)``."""
+    scopes = list(dict.fromkeys(n for n, c in zip(names, chosen) if c))
+    eye = np.eye(len(scopes), dtype=np.float32)
+
+    def spread(k, vals):  # vals in row scopes.index(names[k]), zeros elsewhere
+        row = eye[scopes.index(names[k])]
+        return [row.reshape((-1,) + (1,) * v.ndim) * v[None] for v in vals]
+
+    tf = [
+        spread(k, st.delta) if c else None
+        for k, (st, c) in enumerate(zip(sites, chosen))
+    ]
+    tb = [spread(k, d) if c else None for k, (d, c) in enumerate(zip(deltas, chosen))]
+
+    def one(f, b):
+        dl, (dg, _) = lin(f, b)
+        return dl, dg
+
+    d_loss, d_grad = jax.vmap(one)(tf, tb) if scopes else (jnp.zeros(0), [])
+    # Rounding errors are redrawn at amp's point (a rounding is not
+    # differentiable): the shares are of the model's own gradient error, the
+    # sum of the scopes' propagated errors, not of the measured one.
+    total = [d.sum(0) for d in d_grad]
+    model_sq = sum(jnp.sum(jnp.square(t)) for t in total)
+    meas_sq = sum(
+        jnp.sum(jnp.square(a.astype(jnp.float32) - b)) for a, b in zip(ga, g32)
+    )
+    axes = lambda d: tuple(range(1, d.ndim))  # noqa: E731
+    dots = sum(jnp.sum(t[None] * d, axes(d)) for t, d in zip(total, d_grad))
+    sq = sum(jnp.sum(jnp.square(d), axes(d)) for d in d_grad)
+    fit = jnp.sqrt(model_sq / jnp.maximum(meas_sq, 1e-30))
+    return scopes, (d_loss, dots, sq, model_sq, fit)
+
+
+def _place(o: int | None, it: Any) -> int:
+    """An entry of :attr:`Site.order` with the iteration filled in."""
+    if o is None:
+        return next(it)
+    return -o - 1 - next(it) if o < 0 else o  # a reversed loop: trips - 1 - t
+
+
+def per_iteration(sites: list, stats: list, back: list) -> tuple[list, list, list]:
+    """Sites traced once in a loop (statistics stacked per iteration) as one
+    site per iteration, with their statistics and backward errors, in the
+    order an unrolled walk visits them (:attr:`Site.order`)."""
+    rows = []
+    for st, row, b in zip(sites, stats, back):
+        row, b = np.asarray(row, np.float64), np.asarray(b, np.float64)
+        if not st.stack:
+            rows.append((st.order, st, row, float(b)))
+            continue
+        for t in np.ndindex(*st.stack):
+            it = iter(t)
+            order = tuple(_place(o, it) for o in st.order)
+            one = dataclasses.replace(st, iteration=(*st.iteration, *t))
+            rows.append((order, one, row[t], float(b[t])))
+    rows.sort(key=lambda r: r[0])
+    return [r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows]
