@@ -48,7 +48,8 @@ def bind_compressed(call: Any, invals: Sequence[Any], fmt: Format) -> Any:
     if call.name == "exp":
         return _exp_storing_output(call, invals, fmt)
     if call.name in MATMULS and not fmt.stores_products:
-        return None
+        # Its inputs saved as they are (a weight remade from its held source).
+        return store_compressed(call.apply, invals, fmt, keep=range(len(invals)))
     if call.name in _ELEMENTWISE:
         root = _elementwise_root(invals)
         if root is not None:  # stored as its root, remade from it
@@ -396,7 +397,9 @@ def store_compressed(
         recomputed: trace ``fn`` as inside a checkpoint (its own equations
             are recomputed by the backward pass, so none of them compresses
             or re-casts on its own).
-        keep: indices of ``invals`` saved as they are, never compressed.
+        keep: indices of ``invals`` saved as they are, never compressed;
+            with ``keep``, ``fn`` is bound here if some input is remade from
+            another value (a transposed weight) even when none is compressed.
 
     Returns:
         ``fn``'s outputs, or None where nothing would be stored compressed (no
@@ -411,7 +414,10 @@ def store_compressed(
     candidates = [
         compressible(x) and not is_held(x) and i not in keep for i, x in zip(idx, args)
     ]
-    if not any(candidates):
+    # With ``keep``, a call whose inputs are remade from held or stored
+    # sources is bound here even when nothing is compressed.
+    remade = bool(keep) and any(w is not None for w in weights)
+    if not any(candidates) and not remade:
         return None
     tree: list = []
 
@@ -432,7 +438,7 @@ def store_compressed(
     floats = [is_float(a.dtype) for a in args]
     reads = _reads(closed, floats)
     coded = {j for j, c in enumerate(candidates) if c and reads[j]}
-    if not coded:
+    if not coded and not remade:
         return None
     codes = [a for j in sorted(coded) for a in encoded(args[j], fmt)]
     outs = _stored(closed, args, codes, sorted(coded), floats, reads, fmt)
