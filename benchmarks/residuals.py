@@ -177,13 +177,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="write the markdown table here")
     p.add_argument("--skip-long", action="store_true", help="part 1 only")
+    p.add_argument("--only-long", action="store_true", help="part 2 only")
     a = p.parse_args(argv)
     t0 = time.time()
-    p1, p1r = part1(False), part1(True)
+    p1, p1r = ([], []) if a.only_long else (part1(False), part1(True))
     p2 = [] if a.skip_long else part2()
+    flags = " --skip-long" * a.skip_long + " --only-long" * a.only_long
     meta = (
         "`python benchmarks/residuals.py --out benchmarks/RESULTS_RESIDUALS.md"
-        f"{' --skip-long' if a.skip_long else ''}` "
+        f"{flags}` "
         f"on {platform.processor() or platform.machine()} ({jax.default_backend()}), "
         f"JAX {jax.__version__}, {time.time() - t0:.0f} s."
     )

@@ -44,11 +44,13 @@ def test_total_equals_jax_saved_residuals(args, residual_dtype):
 
 
 def test_rows_name_scope_primitive_dtype_and_source(args):
-    r = jaxamp.memory_report(loss, *args, residual_dtype=jnp.float8_e4m3fn)
+    # int8: the block's values are all products' inputs (FP8 leaves those in
+    # bfloat16).
+    r = jaxamp.memory_report(loss, *args, residual_dtype="int8")
     # The scanned block's values are 8-bit copies with a stacked axis of 3,
     # traced back into the scan body: scope "block", this file's lines.
     block = [row for row in r.rows if row.scope == "block"]
-    assert block and {row.dtype for row in block} >= {"float8_e4m3fn", "float32"}
+    assert block and {row.dtype for row in block} >= {"int8", "float32"}
     assert all(row.shape[0] == 3 for row in block)
     assert all("test_memory_report.py" in row.source for row in block)
     assert any(row.primitive == "encode" for row in block)

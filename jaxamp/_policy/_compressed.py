@@ -47,9 +47,98 @@ def bind_compressed(call: Any, invals: Sequence[Any], fmt: Format) -> Any:
             return out
     if call.name == "exp":
         return _exp_storing_output(call, invals, fmt)
+    if call.name in MATMULS and not fmt.stores_products:
+        # Its inputs saved as they are (a weight remade from its held source).
+        return store_compressed(call.apply, invals, fmt, keep=range(len(invals)))
+    if call.name in _ELEMENTWISE:
+        root = _elementwise_root(invals)
+        if root is not None:  # stored as its root, remade from it
+            new_in, params = call.decide(*invals)
+            out = call.bind(params, *new_in)
+            if call.name not in _READS_NO_VALUE:
+                # Its own backward pass reads the root's code (store_compressed
+                # remakes the inputs); dead wherever a reader remakes ``out``.
+                stored = store_compressed(call.apply, invals, fmt)
+                out = out if stored is None else stored
+            _mark_derived(out, call, invals, new_in, params, root)
+            return out
     if call.name in _READS_NO_VALUE | _EXPONENTIALS | _CHOOSERS:
         return None
     return store_compressed(call.apply, invals, fmt)
+
+
+# Cheap elementwise primitives whose value, recomputed from a rounded input,
+# is as close as the input (no exponential, no choice): a chain of them from
+# one activation (a GELU: cube, scale, tanh, cdf, product) is stored as that
+# activation alone and recomputed from its code in the backward pass.
+_ELEMENTWISE = frozenset(
+    {
+        "add",
+        "sub",
+        "mul",
+        "div",
+        "neg",
+        "integer_pow",
+        "square",
+        "tanh",
+        "erf",
+        "sqrt",
+        "rsqrt",
+        "abs",
+        "sin",
+        "cos",
+        "convert_element_type",
+    }
+)
+
+
+def _elementwise_root(invals: Sequence[Any]) -> Any:
+    """The one activation every array input of an elementwise equation is,
+    or is derived from (:func:`_mark_derived`), where it is compressible and
+    not held; else None."""
+    arrays = [x for x in invals if isinstance(x, jax.Array)]
+    if not arrays:
+        return None
+    roots = set()
+    root = None
+    for x in arrays:
+        found = _weight(x)
+        src = x if found is None else found[0]
+        roots.add(id(src))
+        root = src
+    if len(roots) != 1 or is_held(root) or not compressible(root):
+        return None
+    if any(getattr(x, "shape", None) != root.shape for x in arrays):
+        return None
+    return root
+
+
+def _mark_derived(out, call, invals, new_in, params, root) -> None:
+    """Record ``out`` as remade from the activation ``root``: the inputs
+    remade from ``root`` and cast as the rule decided (``new_in``), bound with
+    the rule's ``params`` (decided once, here: the facts of a later reader
+    must not change it)."""
+    cache = _state.current().casts
+    if cache is None or not isinstance(out, jax.Array):
+        return
+    derive = []
+    for x in invals:
+        found = _weight(x) if isinstance(x, jax.Array) else None
+        derive.append(None if found is None else found[1])
+
+    def remake(src):
+        vals = []
+        for x, d, n in zip(invals, derive, new_in):
+            if not isinstance(x, jax.Array):
+                vals.append(n)
+                continue
+            v = src if d is None else d(src)
+            if isinstance(n, jax.Array) and v.dtype != n.dtype:
+                v = jax.lax.convert_element_type(v, n.dtype)
+            vals.append(v)
+        return call.bind(params, *vals)
+
+    cache[(id(out), "weight")] = (out, (root, remake))
 
 
 # Primitives whose derivative reads no float input value (linear, structural
@@ -308,7 +397,9 @@ def store_compressed(
         recomputed: trace ``fn`` as inside a checkpoint (its own equations
             are recomputed by the backward pass, so none of them compresses
             or re-casts on its own).
-        keep: indices of ``invals`` saved as they are, never compressed.
+        keep: indices of ``invals`` saved as they are, never compressed;
+            with ``keep``, ``fn`` is bound here if some input is remade from
+            another value (a transposed weight) even when none is compressed.
 
     Returns:
         ``fn``'s outputs, or None where nothing would be stored compressed (no
@@ -323,7 +414,10 @@ def store_compressed(
     candidates = [
         compressible(x) and not is_held(x) and i not in keep for i, x in zip(idx, args)
     ]
-    if not any(candidates):
+    # With ``keep``, a call whose inputs are remade from held or stored
+    # sources is bound here even when nothing is compressed.
+    remade = bool(keep) and any(w is not None for w in weights)
+    if not any(candidates) and not remade:
         return None
     tree: list = []
 
@@ -344,7 +438,7 @@ def store_compressed(
     floats = [is_float(a.dtype) for a in args]
     reads = _reads(closed, floats)
     coded = {j for j, c in enumerate(candidates) if c and reads[j]}
-    if not coded:
+    if not coded and not remade:
         return None
     codes = [a for j in sorted(coded) for a in encoded(args[j], fmt)]
     outs = _stored(closed, args, codes, sorted(coded), floats, reads, fmt)

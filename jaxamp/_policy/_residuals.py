@@ -169,10 +169,12 @@ def residual_rule(dtype: Any, group_size: int | None = None) -> ResidualRule:
     scope, so a fragile scope can keep its residuals in the compute dtype, or
     a single scope can be the only one compressed.
 
-    Each saved activation ``x`` (the input a product's weight gradient reads,
-    the inputs of non-linearities and norm regions, the XLA attention
-    kernel's v, the inputs a user's ``jax.checkpoint`` saves at its boundary)
-    is stored as ``dtype`` values with one float32 scale per ``group_size``
+    Each saved activation ``x`` (the inputs of non-linearities and norm
+    regions, the XLA attention kernel's v, the inputs a user's
+    ``jax.checkpoint`` saves at its boundary; for int8 also the input a
+    product's weight gradient reads, which FP8's 2-3 mantissa bits would
+    pass on to the weight gradient undamped, so FP8 leaves it in the compute
+    dtype) is stored as ``dtype`` values with one float32 scale per ``group_size``
     consecutive values of its last axis, ``scale = amax / bound``, and decoded
     in the backward pass; the forward pass and the gradients keep their
     dtypes. A last axis no longer than the group is one group; a longer one
@@ -181,7 +183,9 @@ def residual_rule(dtype: Any, group_size: int | None = None) -> ResidualRule:
     and values made from them by a transpose, reshape or cast are never
     compressed; nor are the inputs of ``exp``/``logistic`` and attention's
     q and k (their absolute error would become a relative error of the
-    probabilities recomputed from them).
+    probabilities recomputed from them). A chain of cheap elementwise
+    operations on one activation (a GELU) is stored as that activation once
+    and recomputed from it.
 
     Sources: COAT (Xi et al., ICLR 2025, arXiv 2410.19313): FP8 inputs of
     linear and non-linear layers with per-group scales; DeepSeek-V3

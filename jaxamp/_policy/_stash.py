@@ -75,6 +75,15 @@ class Format:
             return 127.0
         return float(jnp.finfo(self.dtype).max)
 
+    @property
+    def stores_products(self) -> bool:
+        """Whether the inputs a product's weight gradient reads are stored in
+        this form: only int8 in 32-wide groups (0.5% rms error per value).
+        FP8's 3 or 2 mantissa bits (2.6%, 5.1%) reach a weight gradient
+        ``x^T g`` undamped, so FP8 leaves those inputs in the compute dtype
+        and stores the inputs of non-linearities, norms and attention."""
+        return self.dtype == np.dtype(jnp.int8)
+
     def groups(self, length: int) -> tuple[int, int]:
         """``(group length, number of groups)`` for a last axis of ``length``."""
         g = min(self.group, length)
