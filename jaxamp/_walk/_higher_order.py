@@ -257,9 +257,14 @@ def _call(eqn: Any, invals: list, ctx: AmpContext) -> Any:
         params[name] = rewrite_jaxpr(params[name], ctx, in_dtypes, FREE, held)
     if params[name] is None:
         return run_unchanged(eqn, invals, ctx)
-    bparams = _compat.bind_params(eqn.primitive, params)
-    bind = functools.partial(_bind_list, eqn.primitive, bparams)
-    if stored:
+    return _bind_stored(eqn.primitive, params, invals, fmt if stored else None)
+
+
+def _bind_stored(prim: Any, params: dict, invals: list, fmt: Any) -> Any:
+    """Bind ``prim`` with its rewritten ``params``; with a residual format
+    ``fmt`` (None: none), as ``store_compressed`` stores it where it can."""
+    bind = functools.partial(_bind_list, prim, _compat.bind_params(prim, params))
+    if fmt is not None:
         outs = store_compressed(bind, invals, fmt)
         if outs is not None:
             return outs
@@ -486,13 +491,7 @@ def _custom_jvp_call(eqn: Any, invals: list, ctx: AmpContext) -> Any:
         return (*_compat.jaxpr_parts(new), out_zeros, *rest)
 
     params["jvp_jaxpr_fun"] = _compat.wrap_fun(amp_jvp, user_jvp)
-    bparams = _compat.bind_params(eqn.primitive, params)
-    bind = functools.partial(_bind_list, eqn.primitive, bparams)
-    if stored:
-        outs = store_compressed(bind, invals, fmt)
-        if outs is not None:
-            return outs
-    return bind(*invals)
+    return _bind_stored(eqn.primitive, params, invals, fmt if stored else None)
 
 
 def _changed_dtypes(values: list, like_vars: list) -> tuple:
