@@ -486,14 +486,9 @@ def traverse(
 def _unroll(visitor, eqn, structure: Structure, f, invals, ctx, iteration) -> list:
     """A loop's iterations traversed one by one, as its description says:
     operands sliced or whole, carries fed back, outputs stacked or last."""
-    (sub,) = structure.subs
-    core, sc = _compat.jaxpr_parts(sub.jaxpr)
-    args = [invals[i] for i in sub.inputs]
-    carried = [j for _, j in sub.carries]
-    first = visitor.carry(eqn, f, ctx, [args[j] for j in carried])
-    for j, c in zip(carried, first):
-        args[j] = jax.tree.map(_as_array, c)
-    boundary = f.boundary_for(sub.jaxpr)
+    sub, core, sc, args, boundary = _loop_parts(visitor, eqn, structure, f, invals, ctx)
+    for _, j in sub.carries:
+        args[j] = jax.tree.map(_as_array, args[j])
     steps = range(structure.trips)
     ys = []
     for t in reversed(steps) if structure.reverse else steps:
