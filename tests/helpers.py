@@ -1,4 +1,5 @@
-"""Small helpers shared by the tests: pytree comparisons and bfloat16 rounding.
+"""Small helpers shared by the tests: pytree comparisons, bfloat16 rounding and
+the main job's smallest configuration.
 
 Jaxpr walking lives in the package (``jaxamp.primitive_dtypes``,
 ``jaxamp.matmul_flops_by_dtype``, ``jaxamp.iter_equations``).
@@ -7,6 +8,19 @@ Jaxpr walking lives in the package (``jaxamp.primitive_dtypes``,
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+# The main job (examples/train_charlm.py) at the smallest size its flag tests
+# train: one layer, a few steps' worth of shapes; `Config(**TINY_CHARLM, ...)`.
+TINY_CHARLM = dict(
+    batch_size=4,
+    seq_len=32,
+    d_model=64,
+    layers=1,
+    heads=2,
+    warmup=2,
+    eval_batches=1,
+    sample_chars=4,
+)
 
 
 def round_bf16(tree):

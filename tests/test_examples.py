@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import jaxamp
+from tests.helpers import TINY_CHARLM
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -251,16 +252,9 @@ def test_charlm_bfloat16_parameters(rounding, state, total):
     # moments), 2.03 + 2 (int8 moments + Kahan buffer) with a few small tensors
     # in bf16; the naive recipe's state is whatever optax makes of it.
     cfg = train_charlm.Config(
+        **TINY_CHARLM,
         steps=12,
-        batch_size=4,
-        seq_len=32,
-        d_model=64,
-        layers=1,
-        heads=2,
-        warmup=2,
         max_bytes=200_000,
-        eval_batches=1,
-        sample_chars=4,
         param_dtype="bfloat16",
         param_rounding=rounding,
         opt_state_dtype=state,

@@ -17,7 +17,7 @@ import pytest
 import jaxamp
 from jaxamp import _compat
 from jaxamp._policy._stash import Format, compressible, decode, encode
-from tests.helpers import rel_l2
+from tests.helpers import TINY_CHARLM, rel_l2
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import run as bench  # noqa: E402
@@ -382,16 +382,9 @@ def test_charlm_residual_dtype_flag(capsys):
     import train_charlm
 
     cfg = train_charlm.Config(
+        **TINY_CHARLM,
         steps=4,
-        batch_size=4,
-        seq_len=32,
-        d_model=64,
-        layers=1,
-        heads=2,
-        warmup=2,
         max_bytes=100_000,
-        eval_batches=1,
-        sample_chars=4,
         residual_dtype="fp8",
     )
     data = train_charlm.load_corpus(None, cfg.max_bytes)
