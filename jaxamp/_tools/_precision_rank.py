@@ -2,7 +2,8 @@
 :func:`jaxamp.precision_report`: the probed float32 gradient (zero probes on
 the reduced-precision sites' outputs and their inputs' cotangents), each
 site's local backward error, each scope's error propagated through the rest
-of the step (one JVP of the probed gradient, ``vmap``ped over the scopes), and
+of the step (the probed gradient re-run with that scope's local errors as
+probes, one scope at a time in a ``lax.map``), and
 a loop's stacked per-iteration results turned into one site per iteration."""
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ def probed_gradient(core, consts, leaves, wrt, ctx, edge, counts) -> Callable:
     gradient w.r.t. ``params`` (the leaves ``wrt``) with ``back`` added to
     the cotangents of the sites' float inputs (:class:`ProbeVisitor`;
     ``back[k]`` None for a site without one) and w.r.t. ``probes`` (every
-    site's cotangent ``dL/dy``). Linear in ``(probes, back)`` to first order:
-    its JVP in the direction of a scope's local errors is the change of the
-    loss and of the gradient they cause through the rest of the step.
+    site's cotangent ``dL/dy``). With a scope's local errors as ``(probes,
+    back)``, its change from the unprobed value is the change of the loss and
+    of the gradient those errors cause through the rest of the step.
 
     Args:
         core: the float32 jaxpr of the flattened function (loss first).
@@ -150,44 +151,45 @@ def with_share(site: Site, g: list | None) -> jax.Array:
     return jnp.concatenate([site.stats, jnp.abs(share)[..., None]], -1)
 
 
-def scope_effects(names, sites, chosen, deltas, lin, ga, g32) -> tuple[list, tuple]:
+def scope_effects(names, sites, chosen, deltas, G, base) -> tuple[list, tuple]:
     """The scope paths (``names[k]``: site ``k``'s) of the reduced-precision
-    sites and, per scope, the
-    change of the loss and of the gradient its local errors cause (``lin``:
-    the linearized probed gradient, ``vmap``ped over the scopes), as
-    ``(loss change, <model total, change>, |change|^2, |model total|^2,
-    |model total| / |measured|)``."""
+    sites and, per scope, the change of the loss and of the gradient its local
+    errors cause through the rest of the step: the probed float32 gradient
+    ``G(probes, back)`` (:func:`probed_gradient`, parameters bound) with that
+    scope's local forward errors as ``probes`` and backward errors as
+    ``back``, minus ``base`` (``G`` with zero probes: ``(loss, gradient)``).
+    One evaluation per scope (``lax.map``: one body compiled, one scope's
+    probes in memory at a time). Returns ``(loss change, <model total,
+    change>, |change|^2, |model total|^2)``, the model total being the sum
+    of the scopes' changes. Rounding errors are redrawn at amp's own point (a
+    rounding is not differentiable), so the shares are of this model total,
+    not of amp's measured error (whose size it matches, not its digits)."""
     scopes = list(dict.fromkeys(n for n, c in zip(names, chosen) if c))
-    eye = np.eye(len(scopes), dtype=np.float32)
+    if not scopes:
+        z = jnp.zeros(0, jnp.float32)
+        return scopes, (z, z, z, jnp.zeros((), jnp.float32))
+    member = [scopes.index(n) if c else -1 for n, c in zip(names, chosen)]
+    loss0, g0 = base
 
-    def spread(k, vals):  # vals in row scopes.index(names[k]), zeros elsewhere
-        row = eye[scopes.index(names[k])]
-        return [row.reshape((-1,) + (1,) * v.ndim) * v[None] for v in vals]
+    def one(s):
+        def pick(k, vals):  # site k's values inside scope s, zeros elsewhere
+            if member[k] < 0:
+                return None
+            on = (s == member[k]).astype(jnp.float32)
+            return [v * on.astype(v.dtype) for v in vals]
 
-    tf = [
-        spread(k, st.delta) if c else None
-        for k, (st, c) in enumerate(zip(sites, chosen))
-    ]
-    tb = [spread(k, d) if c else None for k, (d, c) in enumerate(zip(deltas, chosen))]
+        f = [pick(k, st.delta) for k, st in enumerate(sites)]
+        b = [pick(k, d) for k, d in enumerate(deltas)]
+        loss, (g, _) = G(f, b)
+        return loss - loss0, [a - c for a, c in zip(g, g0)]
 
-    def one(f, b):
-        dl, (dg, _) = lin(f, b)
-        return dl, dg
-
-    d_loss, d_grad = jax.vmap(one)(tf, tb) if scopes else (jnp.zeros(0), [])
-    # Rounding errors are redrawn at amp's point (a rounding is not
-    # differentiable): the shares are of the model's own gradient error, the
-    # sum of the scopes' propagated errors, not of the measured one.
+    d_loss, d_grad = jax.lax.map(one, jnp.arange(len(scopes)))
     total = [d.sum(0) for d in d_grad]
     model_sq = sum(jnp.sum(jnp.square(t)) for t in total)
-    meas_sq = sum(
-        jnp.sum(jnp.square(a.astype(jnp.float32) - b)) for a, b in zip(ga, g32)
-    )
     axes = lambda d: tuple(range(1, d.ndim))  # noqa: E731
     dots = sum(jnp.sum(t[None] * d, axes(d)) for t, d in zip(total, d_grad))
     sq = sum(jnp.sum(jnp.square(d), axes(d)) for d in d_grad)
-    fit = jnp.sqrt(model_sq / jnp.maximum(meas_sq, 1e-30))
-    return scopes, (d_loss, dots, sq, model_sq, fit)
+    return scopes, (d_loss, dots, sq, model_sq)
 
 
 def _place(o: int | None, it: Any) -> int:

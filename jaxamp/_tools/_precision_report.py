@@ -12,8 +12,9 @@ loss and ``|VJP_amp(x_32; g) - VJP_32(x_32; g)|`` (the local error of the
 backward pass amp runs for it) for the gradient.
 
 Scopes are ranked by what restoring them buys: each scope's local forward and
-backward errors are propagated through the rest of the step by one JVP of
-the probed float32 gradient (``probed_gradient``), for all scopes at once;
+backward errors are propagated through the rest of the step by re-running
+the probed float32 gradient (``probed_gradient``) with them as probes, one
+scope at a time inside the one compiled function;
 the shares of the model's total gradient (and loss) error each scope's part
 removes order them. The idea of ranking layers by sensitivity times
 perturbation is HAWQ's (Dong et al., 2019); the greedy fallback of the worst
@@ -25,6 +26,8 @@ truth. The plain-text table and the PNG are in ``_precision_plot.py``.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextvars
 import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -304,8 +307,9 @@ def precision_report(
     the amp step on the same inputs in one differential walk (see
     ``jaxamp/_tools/_precision_walk.py``; a loop's body traced once), one
     backward pass for every equation's float32 cotangent, each equation's
-    backward pass at the float32 point, and one JVP of the float32 gradient
-    along every scope's local errors (the ranking): no run per scope.
+    backward pass at the float32 point, and the float32 gradient re-run once
+    per scope with that scope's local errors added (the ranking). amp's own
+    jitted step is traced, compiled and run in a second thread meanwhile.
 
     Args:
         loss_fn: ``loss_fn(params, *rest, **kwargs)`` returning a float scalar
@@ -345,11 +349,15 @@ def precision_report(
     out = jax.eval_shape(lambda: loss_fn(*args, **kwargs))
     _check_loss(out[0] if has_aux else out)
     scale = float(loss_scale or (2.0**15 if cd == np.float16 else 1.0))
-    # amp's own step first (jitted as the user's step is): its gradient is the
-    # error the ranking apportions.
-    lossa, ga = amp_gradients(loss_fn, args, kwargs, cd, amp_policy, has_aux, scale)
+    # amp's own step (jitted as the user's step is; its gradient is the error
+    # the ranking apportions) is traced, compiled and run in a second thread
+    # while the analysis is: XLA compiles without holding Python's lock.
     cache: dict = {}
-    walk = _walk(loss_fn, args, kwargs, cd, amp_policy, has_aux, cache, scale, ga)
+    job = (amp_gradients, loss_fn, args, kwargs, cd, amp_policy, has_aux, scale)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        amp_step = pool.submit(contextvars.copy_context().run, *job)
+        walk = _walk(loss_fn, args, kwargs, cd, amp_policy, has_aux, cache, scale)
+        lossa, ga = amp_step.result()
     sites, stats, g32, loss32, back_all, effect = walk
     norm = sum(_sq(x) for x in g32) ** 0.5
     records = [
@@ -375,7 +383,11 @@ def _assemble(runner, records, group_depth, lossa, ga, effect) -> PrecisionRepor
         if is_float(x.dtype)
     ]
     tree = jax.tree.structure(eqx.filter(params, lambda x: is_float(x.dtype)))
-    scopes, d_loss, dots, sq, model_sq, fit = effect
+    scopes, d_loss, dots, sq, model_sq = effect
+    meas_sq = sum(
+        _sq(np.asarray(a, np.float64) - np.asarray(b)) for a, b in zip(ga, r.g32)
+    )
+    fit = (model_sq / meas_sq) ** 0.5 if meas_sq else float("nan")
     loss_err = float(np.sum(d_loss))  # the model's loss error
     grad_removed = {
         k: float((2 * d - n) / model_sq) if model_sq else 0.0
@@ -409,7 +421,7 @@ def _check_loss(loss: Any) -> None:
         )
 
 
-def _walk(fn, args, kwargs, cd, policy, has_aux, cache, scale, ga):
+def _walk(fn, args, kwargs, cd, policy, has_aux, cache, scale):
     """Trace ``fn``; the differential walk's sites, their float32
     cotangents, the float32 gradient (leaves of ``args[0]``'s float arrays),
     the float32 loss, the backward errors and each scope's effect (see
@@ -428,30 +440,30 @@ def _walk(fn, args, kwargs, cd, policy, has_aux, cache, scale, ga):
     ctx = AmpContext(cd, AmpPolicy(policy), DEFAULT_PIPELINE)
     edge = ((0,) * len(core.outvars), None)
     reduced = lambda site: _format(site, cache)[1]  # noqa: E731
-    return _compiled_walk(core, consts, leaves, wrt, ctx, edge, reduced, scale, ga)
+    return _compiled_walk(core, consts, leaves, wrt, ctx, edge, reduced, scale)
 
 
-# Compiler options of the analysis (XLA's defaults: at backend optimisation
-# level 0 its run, with the ranking's JVP, costs more than the compile saves).
+# Compiler options of the analysis: XLA's defaults (at backend optimisation
+# level 0 its run costs more than the compile saves).
 _FAST_COMPILE: dict = {}
 
 
-def _compiled_walk(core, consts, leaves, wrt, ctx, edge, reduced, scale, ga):
+def _compiled_walk(core, consts, leaves, wrt, ctx, edge, reduced, scale):
     """One compiled function: the differential walk, the probed float32
     gradient, every reduced site's backward error, and each scope's effect:
-    the JVP of the probed gradient (:func:`probed_gradient`) in the direction
-    of the scope's local forward and backward errors, i.e. the change of the
-    loss and of the gradient those errors cause through the rest of the step
-    (first order in the local errors, exact propagation), for every scope at
-    once (``vmap`` over scopes), against amp's measured gradient ``ga``.
+    the probed gradient (:func:`probed_gradient`) re-run with the scope's
+    local forward and backward errors as probes, minus the unprobed one,
+    i.e. the change of the loss and of the gradient those errors cause
+    through the rest of the step (exact propagation of the local errors; one
+    evaluation per scope, :func:`scope_effects`).
 
     Returns the sites (their values concrete, read back from its outputs),
-    their cotangents, the float32 gradient, the float32 loss, the backward
-    errors and ``(scopes, loss change, <measured, change>, |change|^2,
-    |measured|^2, linear-model residual)`` (per scope where indexed)."""
+    their statistics, the float32 gradient, the float32 loss, the backward
+    errors and ``(scopes, loss change, <model total, change>, |change|^2,
+    |model total|^2)`` (per scope where indexed)."""
     box: list = []
 
-    def run(xs, ga):
+    def run(xs):
         visitor = DiffVisitor(reduced)
         pairs, cpairs = [(x, x) for x in xs], [(c, c) for c in consts]
         traverse(visitor, core, cpairs, pairs, ctx, edge)
@@ -473,22 +485,22 @@ def _compiled_walk(core, consts, leaves, wrt, ctx, edge, reduced, scale, ga):
         ]
         G = probed_gradient(core, consts, xs, wrt, ctx, edge, shapes.counts)
         params = [xs[i] for i in wrt]
-        (loss32, (g32, cts)), lin = jax.linearize(
-            lambda fp, bp: G(params, fp, bp), fp0, bp0
-        )
+        loss32, (g32, cts) = G(params, fp0, bp0)
         deltas = backward_deltas(sites, cts, chosen, scale)
         back = norms(sites, deltas)
         names = [scope_path(st.scopes) for st in sites]
-        scopes, effect = scope_effects(names, sites, chosen, deltas, lin, ga, g32)
+        probed = lambda fp, bp: G(params, fp, bp)  # noqa: E731
+        base = (loss32, g32)
+        scopes, effect = scope_effects(names, sites, chosen, deltas, probed, base)
         box.append(scopes)
         stats = [with_share(st, g) for st, g in zip(sites, cts)]
         return [loss32, back, stats, g32, effect]
 
-    compiled = jax.jit(run).lower(leaves, ga).compile(_FAST_COMPILE)
-    loss32, back, stats, g32, effect = compiled(leaves, ga)
+    compiled = jax.jit(run).lower(leaves).compile(_FAST_COMPILE)
+    loss32, back, stats, g32, effect = compiled(leaves)
     sites, stats, back = per_iteration(box[0], stats, back)
-    d_loss, dots, sq, model_sq, fit = (np.asarray(e, np.float64) for e in effect)
-    effect = (box[1], d_loss, dots, sq, float(model_sq), float(fit))
+    d_loss, dots, sq, model_sq = (np.asarray(e, np.float64) for e in effect)
+    effect = (box[1], d_loss, dots, sq, float(model_sq))
     return sites, stats, g32, float(loss32), back, effect
 
 

@@ -25,8 +25,8 @@ equation (a *site*) is bound three times:
 The same traversal, run on float32 values only under ``jax.grad`` with zero
 *probes* added to every reduced-precision site's outputs and to its inputs'
 cotangents (:class:`ProbeVisitor`, :func:`probed_gradient`), gives every
-site's float32 cotangent ``dL/dy`` in one backward pass, and its JVP along a
-scope's local errors the error they cause in the gradient.
+site's float32 cotangent ``dL/dy`` in one backward pass, and, re-run with a
+scope's local errors as the probes, the error they cause in the gradient.
 
 Pattern rewrites (fused attention, the RMSNorm region) are not replayed: their
 equations are walked one by one under the per-equation rules, whose value
