@@ -443,11 +443,6 @@ def _walk(fn, args, kwargs, cd, policy, has_aux, cache, scale):
     return _compiled_walk(core, consts, leaves, wrt, ctx, edge, reduced, scale)
 
 
-# Compiler options of the analysis: XLA's defaults (at backend optimisation
-# level 0 its run costs more than the compile saves).
-_FAST_COMPILE: dict = {}
-
-
 def _compiled_walk(core, consts, leaves, wrt, ctx, edge, reduced, scale):
     """One compiled function: the differential walk, the probed float32
     gradient, every reduced site's backward error, and each scope's effect:
@@ -496,7 +491,7 @@ def _compiled_walk(core, consts, leaves, wrt, ctx, edge, reduced, scale):
         stats = [with_share(st, g) for st, g in zip(sites, cts)]
         return [loss32, back, stats, g32, effect]
 
-    compiled = jax.jit(run).lower(leaves).compile(_FAST_COMPILE)
+    compiled = _compat.compile_analysis(jax.jit(run).lower(leaves))
     loss32, back, stats, g32, effect = compiled(leaves)
     sites, stats, back = per_iteration(box[0], stats, back)
     d_loss, dots, sq, model_sq = (np.asarray(e, np.float64) for e in effect)
