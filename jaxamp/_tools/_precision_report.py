@@ -27,7 +27,6 @@ truth. The plain-text table and the PNG are in ``_precision_plot.py``.
 from __future__ import annotations
 
 import concurrent.futures
-import contextvars
 import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -268,6 +267,16 @@ def amp_gradients(
     """``(loss, gradient leaves w.r.t. args[0]'s float arrays)`` of one amp
     step under ``policy``, jitted; the loss multiplied by ``scale`` before
     differentiating and the gradient divided by it (static loss scaling)."""
+    lowered, dynamic = _amp_step(
+        fn, args, kwargs, compute_dtype, policy, has_aux, scale
+    )
+    loss, leaves = lowered.compile()(dynamic)
+    return float(loss), leaves
+
+
+def _amp_step(fn, args, kwargs, compute_dtype, policy, has_aux, scale) -> tuple:
+    """:func:`amp_gradients`' step, lowered (traced here, under the caller's
+    JAX configuration), and its array arguments."""
     f = amp(fn, compute_dtype=compute_dtype, amp_policy=policy)
 
     def scaled(p, *rest):
@@ -277,7 +286,6 @@ def amp_gradients(
 
     dynamic, static = eqx.partition(args, eqx.is_array)
 
-    @jax.jit
     def step(dynamic):
         a = eqx.combine(dynamic, static)
         (_, loss), g = eqx.filter_value_and_grad(scaled, has_aux=True)(*a)
@@ -286,8 +294,7 @@ def amp_gradients(
 
     # Compiled as the user's step is (default options), the unscaling inside:
     # the measured error is the step's own.
-    loss, leaves = step(dynamic)
-    return float(loss), leaves
+    return jax.jit(step).lower(dynamic), dynamic
 
 
 def precision_report(
@@ -349,15 +356,15 @@ def precision_report(
     out = jax.eval_shape(lambda: loss_fn(*args, **kwargs))
     _check_loss(out[0] if has_aux else out)
     scale = float(loss_scale or (2.0**15 if cd == np.float16 else 1.0))
-    # amp's own step (jitted as the user's step is; its gradient is the error
-    # the ranking apportions) is traced, compiled and run in a second thread
-    # while the analysis is: XLA compiles without holding Python's lock.
+    # amp's own step (its gradient is the error the ranking apportions) is
+    # traced here, under the caller's JAX configuration, and compiled in a
+    # second thread while the analysis is (XLA releases Python's lock).
     cache: dict = {}
-    job = (amp_gradients, loss_fn, args, kwargs, cd, amp_policy, has_aux, scale)
+    job = _amp_step(loss_fn, args, kwargs, cd, amp_policy, has_aux, scale)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        amp_step = pool.submit(contextvars.copy_context().run, *job)
+        amp_step = pool.submit(job[0].compile)
         walk = _walk(loss_fn, args, kwargs, cd, amp_policy, has_aux, cache, scale)
-        lossa, ga = amp_step.result()
+        lossa, ga = amp_step.result()(job[1])
     sites, stats, g32, loss32, back_all, effect = walk
     norm = sum(_sq(x) for x in g32) ** 0.5
     records = [
@@ -368,7 +375,7 @@ def precision_report(
         loss_fn, args, kwargs, cd, amp_policy, has_aux, scale, g32, loss32,
         amp_gradients,
     )  # fmt: skip
-    return _assemble(runner, records, group_depth, lossa, ga, effect)
+    return _assemble(runner, records, group_depth, float(lossa), ga, effect)
 
 
 def _assemble(runner, records, group_depth, lossa, ga, effect) -> PrecisionReport:
@@ -443,11 +450,6 @@ def _walk(fn, args, kwargs, cd, policy, has_aux, cache, scale):
     return _compiled_walk(core, consts, leaves, wrt, ctx, edge, reduced, scale)
 
 
-# Compiler options of the analysis: XLA's defaults (at backend optimisation
-# level 0 its run costs more than the compile saves).
-_FAST_COMPILE: dict = {}
-
-
 def _compiled_walk(core, consts, leaves, wrt, ctx, edge, reduced, scale):
     """One compiled function: the differential walk, the probed float32
     gradient, every reduced site's backward error, and each scope's effect:
@@ -496,7 +498,7 @@ def _compiled_walk(core, consts, leaves, wrt, ctx, edge, reduced, scale):
         stats = [with_share(st, g) for st, g in zip(sites, cts)]
         return [loss32, back, stats, g32, effect]
 
-    compiled = jax.jit(run).lower(leaves).compile(_FAST_COMPILE)
+    compiled = _compat.compile_analysis(jax.jit(run).lower(leaves))
     loss32, back, stats, g32, effect = compiled(leaves)
     sites, stats, back = per_iteration(box[0], stats, back)
     d_loss, dots, sq, model_sq = (np.asarray(e, np.float64) for e in effect)

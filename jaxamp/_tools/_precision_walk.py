@@ -127,16 +127,15 @@ _SENTINEL = 2.0**127
 
 
 def _sat(got: jax.Array, w: jax.Array) -> jax.Array:
-    """Where ``got`` holds ``w``'s sentinel as a same-signed infinity."""
-    same = jnp.sign(got) == jnp.sign(w)
-    return (jnp.isinf(got) & (jnp.abs(w) >= _SENTINEL) & same) | (
-        jnp.isinf(w) & (got == w)
-    )
+    """Where ``got`` holds ``w``'s sentinel as a same-signed infinity (an
+    infinite ``w`` is its own sentinel)."""
+    big = jnp.abs(w) >= _SENTINEL
+    return jnp.isinf(got) & big & ((got > 0) == (w > 0))
 
 
 def _diff(got: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
     m = _sat(got, w)
-    return jnp.where(m, 0.0, got - jnp.where(m, 0.0, w)), jnp.where(m, 0.0, w)
+    return jnp.where(m, 0.0, got - w), jnp.where(m, 0.0, w)
 
 
 def site_stats(site: Site, reduced: bool) -> jax.Array:
@@ -150,30 +149,37 @@ def site_stats(site: Site, reduced: bool) -> jax.Array:
     if not fo:
         return jnp.zeros(5, jnp.float32)
     f32 = lambda v: jnp.asarray(v).astype(jnp.float32)  # noqa: E731
-    want = [f32(site.y32[i]) for i in fo]
+    sq = lambda v: jnp.sum(v * v)  # noqa: E731
+    # num/den of the local and propagated errors, overflows, underflows
+    sums = [jnp.float32(0)] * 6
+    peak = jnp.float32(0)
+    for i in fo:
+        w, lo, am = f32(site.y32[i]), f32(site.local[i]), f32(site.amp[i])
+        d_am, w_am = _diff(am, w)
+        new = [jnp.float32(0), jnp.float32(0), sq(d_am), sq(w_am)]
+        if reduced:
+            m = _sat(lo, w)
+            fin = jnp.isfinite(w) & ~m
+            new[:2] = sq(jnp.where(m, 0.0, lo - w)), sq(jnp.where(m, 0.0, w))
+            new.append(jnp.sum(~jnp.isfinite(lo) & fin, dtype=jnp.float32))
+            new.append(jnp.sum((lo == 0) & (w != 0) & fin, dtype=jnp.float32))
+        else:  # local is float32's own: no error, overflow or sentinel
+            fin = jnp.isfinite(w)
+            new += [jnp.float32(0), jnp.float32(0)]
+        sums = [a + b for a, b in zip(sums, new)]
+        if w.size:
+            keep = fin & (jnp.abs(w) < _SENTINEL)
+            peak = jnp.maximum(peak, jnp.max(jnp.abs(jnp.where(keep, w, 0.0))))
 
-    def rel(got):
-        pairs = [_diff(f32(x), w) for x, w in zip(got, want)]
-        num = sum(jnp.sum(jnp.square(d)) for d, _ in pairs)
-        den = sum(jnp.sum(jnp.square(w)) for _, w in pairs)
+    def rel(num, den):
         safe = jnp.where(den > 0, den, 1.0)
         return jnp.where(den > 0, jnp.sqrt(num / safe), (num > 0).astype(jnp.float32))
 
-    local = [f32(site.local[i]) for i in fo]
-    prop = rel([site.amp[i] for i in fo])
-    size = np.float32(sum(w.size for w in want) or 1)
-    over = under = peak = jnp.float32(0)
-    for lo, w in zip(local, want):
-        fin = jnp.isfinite(w) & ~_sat(lo, w)
-        over = over + jnp.sum(~jnp.isfinite(lo) & fin, dtype=jnp.float32)
-        under = under + jnp.sum((lo == 0) & (w != 0) & fin, dtype=jnp.float32)
-        keep = fin & (jnp.abs(w) < _SENTINEL)
-        if w.size:
-            peak = jnp.maximum(peak, jnp.max(jnp.abs(jnp.where(keep, w, 0.0))))
-    if not reduced:  # amp's step is float32's: no local error
-        zero = jnp.float32(0)
-        return jnp.stack([zero, prop, zero, zero, peak])
-    return jnp.stack([rel(local), prop, over / size, under / size, peak])
+    size = np.float32(sum(np.size(site.y32[i]) for i in fo) or 1)
+    local = rel(sums[0], sums[1]) if reduced else jnp.float32(0)
+    return jnp.stack(
+        [local, rel(sums[2], sums[3]), sums[4] / size, sums[5] / size, peak]
+    )
 
 
 def forward_delta(site: Site) -> list:
