@@ -137,12 +137,15 @@ _FAST_COMPILE_CPU = {
 
 def compile_analysis(lowered: Any) -> Any:
     """``lowered.compile()`` for a one-off analysis: on XLA:CPU with
-    :data:`_FAST_COMPILE_CPU`, falling back to the default options where
-    this XLA does not know them (a real compile error raises from the
-    fallback)."""
+    :data:`_FAST_COMPILE_CPU` (those not set in ``XLA_FLAGS``), falling back
+    to the default options where this XLA does not know them (a real compile
+    error raises from the fallback)."""
     if jax.default_backend() == "cpu":
+        # Options set in XLA_FLAGS (the tests' level 0, a user's) win.
+        flags = os.environ.get("XLA_FLAGS", "")
+        opts = {k: v for k, v in _FAST_COMPILE_CPU.items() if f"--{k}=" not in flags}
         try:
-            return lowered.compile(_FAST_COMPILE_CPU)
+            return lowered.compile(opts)
         except Exception:  # noqa: BLE001 - an option this XLA lacks
             pass
     return lowered.compile()
