@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxamp
+from jaxamp import _compat
 
 ROOT = Path(__file__).resolve().parents[1]
 BF16 = jnp.bfloat16
@@ -517,3 +518,32 @@ def test_heatmap_rows_follow_the_model_and_stay_readable_when_deep():
     assert rows[:3] == ["(no scope)", "attn [0-2]", "mlp [0-2]"]
     assert rows[-2:] == ["mlp [45-47]", "head"]
     assert cells[1][0] == pytest.approx((1.0 + 4.0 + 9.0) ** 0.5)
+
+
+class _Lowered:
+    """A stand-in for ``jax.stages.Lowered`` recording the options passed."""
+
+    def __init__(self, refuse: bool = False):
+        self.refuse, self.calls = refuse, []
+
+    def compile(self, options=None):
+        self.calls.append(options)
+        if self.refuse and options:
+            raise ValueError("No such compile option")
+        return "compiled"
+
+
+def test_compile_analysis_runs_and_keeps_xla_flags(monkeypatch):
+    x = jnp.arange(4.0)
+    f = jax.jit(lambda v: jnp.sin(v) * 2.0)
+    got = _compat.compile_analysis(f.lower(x))(x)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(f(x)))
+    # An option XLA_FLAGS sets is left to it; an option this XLA refuses
+    # falls back to the default compile.
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")
+    low = _Lowered()
+    assert _compat.compile_analysis(low) == "compiled"
+    assert low.calls == [{"xla_cpu_use_fusion_emitters": False}]
+    low = _Lowered(refuse=True)
+    assert _compat.compile_analysis(low) == "compiled"
+    assert low.calls == [{"xla_cpu_use_fusion_emitters": False}, None]
