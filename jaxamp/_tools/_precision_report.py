@@ -316,7 +316,7 @@ def precision_report(
     backward pass for every equation's float32 cotangent, each equation's
     backward pass at the float32 point, and the float32 gradient re-run once
     per scope with that scope's local errors added (the ranking). amp's own
-    jitted step is traced, compiled and run in a second thread meanwhile.
+    jitted step is compiled in a second thread meanwhile.
 
     Args:
         loss_fn: ``loss_fn(params, *rest, **kwargs)`` returning a float scalar
