@@ -359,16 +359,7 @@ def _reads(closed: Any, perturbed: Sequence[bool]) -> list[bool]:
         return [False] * n
 
     def backward(*vals_cts):
-        vals = list(vals_cts[:n])
-
-        def of_perturbed(*xs):
-            full = list(vals)
-            for i, x in zip(idx, xs):
-                full[i] = x
-            return fn(*full)
-
-        _, vjp = jax.vjp(of_perturbed, *(vals[i] for i in idx))
-        return vjp(list(vals_cts[n:]))
+        return _partial_vjp(fn, vals_cts[:n], idx, vals_cts[n:])
 
     avals = [v.aval for v in core.invars] + [v.aval for v in core.outvars]
     traced = _compat.trace_to_closed_jaxpr(backward, avals)
@@ -477,16 +468,22 @@ def _stored(closed, args, codes, coded, floats, reads, fmt) -> list:
     def bwd(saved, cts):
         vals = [s.value() for s in saved]
         idx = [j for j, s in enumerate(saved) if s.perturbed]
-
-        def of_floats(*xs):
-            full = list(vals)
-            for j, x in zip(idx, xs):
-                full[j] = x
-            return fn(*full)
-
-        _, vjp = jax.vjp(of_floats, *(vals[j] for j in idx))
-        grads = dict(zip(idx, vjp(list(cts))))
+        grads = dict(zip(idx, _partial_vjp(fn, vals, idx, cts)))
         return (*(grads.get(j) for j in range(n)), *([None] * len(codes)))
 
     stored.defvjp(fwd, bwd)
     return stored(*args, *codes)
+
+
+def _partial_vjp(fn: Any, vals: Sequence[Any], idx: list[int], cts: Sequence[Any]):
+    """The VJP of ``fn(*vals)`` with respect to the positions ``idx`` of
+    ``vals`` only (the others held constant), for output cotangents ``cts``."""
+
+    def of(*xs):
+        full = list(vals)
+        for i, x in zip(idx, xs):
+            full[i] = x
+        return fn(*full)
+
+    _, vjp = jax.vjp(of, *(vals[i] for i in idx))
+    return vjp(list(cts))
