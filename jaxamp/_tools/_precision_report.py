@@ -139,18 +139,19 @@ class SiteRecord:
     grad_share: float
 
 
-def _sq(x: Any) -> float:
-    return float(np.sum(np.square(np.asarray(x, np.float64))))
+def _sums(got: list, want: list) -> tuple[np.ndarray, np.ndarray]:
+    """Per array pair, ``sum |g - w|^2`` and ``sum |w|^2`` (float64)."""
+    num, den = [], []
+    for g, w in zip(got, want):
+        w = np.asarray(w, np.float64).ravel()
+        d = np.asarray(g, np.float64).ravel() - w
+        num.append(d @ d)
+        den.append(w @ w)
+    return np.asarray(num, np.float64), np.asarray(den, np.float64)
 
 
-def _rel(got: list, want: list) -> float:
-    """Relative L2 error of the arrays ``got`` against ``want`` (float64)."""
-    den = sum(_sq(w) for w in want)
-    num = sum(
-        _sq(np.asarray(g, np.float64) - np.asarray(w, np.float64))
-        for g, w in zip(got, want)
-    )
-    return (num / den) ** 0.5 if den else float(num > 0)
+def _rel(num: float, den: float) -> float:
+    return float((num / den) ** 0.5) if den else float(num > 0)
 
 
 def _format(site: Site, cache: dict) -> tuple[str, bool]:
@@ -244,14 +245,14 @@ def _key_name(k: Any) -> str:
     return str(k)
 
 
-def group_errors(got: list, want: list, names: list[str]) -> dict[str, float]:
-    """Relative L2 error ``sqrt(sum |g - r|^2 / sum |r|^2)`` (float32) of the
-    arrays ``got`` against ``want``, in total (``"total"``) and per group
-    (``names[i]`` is the group of array ``i``)."""
-    out = {"total": float(_rel(got, want))}
+def _group_errors(num: np.ndarray, den: np.ndarray, names: list[str]) -> dict:
+    """Relative L2 error ``sqrt(sum |g - r|^2 / sum |r|^2)`` in total
+    (``"total"``) and per group (``names[i]``: array ``i``'s) from the
+    per-array sums (:func:`_sums`)."""
+    out = {"total": _rel(num.sum(), den.sum())}
     for name in dict.fromkeys(names):
         idx = [i for i, n in enumerate(names) if n == name]
-        out[name] = float(_rel([got[i] for i in idx], [want[i] for i in idx]))
+        out[name] = _rel(num[idx].sum(), den[idx].sum())
     return out
 
 
@@ -361,12 +362,14 @@ def precision_report(
     # second thread while the analysis is (XLA releases Python's lock).
     cache: dict = {}
     job = _amp_step(loss_fn, args, kwargs, cd, amp_policy, has_aux, scale)
+    # Its run is dispatched there too, to use the cores the compiles leave.
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        amp_step = pool.submit(job[0].compile)
+        amp_step = pool.submit(lambda: job[0].compile()(job[1]))
         walk = _walk(loss_fn, args, kwargs, cd, amp_policy, has_aux, cache, scale)
-        lossa, ga = amp_step.result()(job[1])
+        lossa, ga = amp_step.result()
     sites, stats, g32, loss32, back_all, effect = walk
-    norm = sum(_sq(x) for x in g32) ** 0.5
+    sums = _sums(ga, g32)
+    norm = float(sums[1].sum()) ** 0.5
     records = [
         _record(_site_meta(st, cache), [*row, bk], norm)
         for st, row, bk in zip(sites, stats, back_all)
@@ -375,13 +378,13 @@ def precision_report(
         loss_fn, args, kwargs, cd, amp_policy, has_aux, scale, g32, loss32,
         amp_gradients,
     )  # fmt: skip
-    return _assemble(runner, records, group_depth, float(lossa), ga, effect)
+    return _assemble(runner, records, group_depth, float(lossa), ga, effect, sums)
 
 
-def _assemble(runner, records, group_depth, lossa, ga, effect) -> PrecisionReport:
+def _assemble(runner, records, group_depth, lossa, ga, effect, sums) -> PrecisionReport:
     """The report: amp's measured gradient against float32's per parameter
-    group, the records, each scope's estimated effect, the runner for
-    ``suggest``."""
+    group (``sums``: :func:`_sums` of the two), the records, each scope's
+    estimated effect, the runner for ``suggest``."""
     r = runner
     params = eqx.filter(r.args[0], eqx.is_array)
     names = [
@@ -391,9 +394,7 @@ def _assemble(runner, records, group_depth, lossa, ga, effect) -> PrecisionRepor
     ]
     tree = jax.tree.structure(eqx.filter(params, lambda x: is_float(x.dtype)))
     scopes, d_loss, dots, sq, model_sq = effect
-    meas_sq = sum(
-        _sq(np.asarray(a, np.float64) - np.asarray(b)) for a, b in zip(ga, r.g32)
-    )
+    meas_sq = float(sums[0].sum())
     fit = (model_sq / meas_sq) ** 0.5 if meas_sq else float("nan")
     loss_err = float(np.sum(d_loss))  # the model's loss error
     grad_removed = {
@@ -410,7 +411,7 @@ def _assemble(runner, records, group_depth, lossa, ga, effect) -> PrecisionRepor
         records=records,
         loss32=r.loss32,
         loss=lossa,
-        grad_errors=group_errors(ga, r.g32, names),
+        grad_errors=_group_errors(*sums, names),
         compute_dtype=np.dtype(r.compute_dtype).name,
         grads=jax.tree.unflatten(tree, ga),
         grads32=jax.tree.unflatten(tree, r.g32),
