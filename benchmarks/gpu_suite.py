@@ -1,6 +1,6 @@
 """Every GPU check in one command, within a device lease (issue 34).
 
-    python benchmarks/gpu_suite.py                   # on one NVIDIA GPU, ~7 min
+    python benchmarks/gpu_suite.py                   # on one NVIDIA GPU, ~7.5 min
     python benchmarks/gpu_suite.py --dry-run         # CPU, tiny sizes, < 1 min
     python benchmarks/gpu_suite.py --parts eight_bit,gpt1024 --budget-s 300
 
@@ -9,7 +9,7 @@ runs short drops the figures we can best do without. Each has an estimated cost
 on one H100 (``--dry-run``: on a 2-core CPU); a part whose estimate exceeds the
 budget left is skipped with a printed reason, and the next, cheaper parts still
 try. The estimates (guesses from earlier GPU runs of the same models, about
-390 s in all) are scaled by how much slower than estimated the parts so far
+450 s in all) are scaled by how much slower than estimated the parts so far
 ran. Parts with several sub-measurements (memory variants, fp16 and bf16
 runs) skip the rest with a reason once the budget runs out inside them.
 
@@ -34,16 +34,21 @@ runs) skip the rest with a reason once the budget runs out inside them.
    master weights, bf16 parameters + stochastic rounding with bf16 and with
    int8 state, and bf16 compute with FP8-stored residuals (skipped, with the
    reason printed, while ``jaxamp.amp`` has no ``residual_dtype=``).
-4. ``fp16_run`` (~40 s): 200 steps of the main job's model
+4. ``precision`` (~60 s): ``jaxamp.precision_report``'s time over the first
+   call of the jitted amp step at 4 and 24 scanned layers
+   (``benchmarks/precision_report.py --depth 4 --depth 24``: width 256, seq
+   128, batch 8, each row in a fresh process), and the ratio's growth with
+   depth (issue 33's bounds: at most 4x at 24 layers, growth at most 1.5).
+5. ``fp16_run`` (~40 s): 200 steps of the main job's model
    (``examples/train_charlm.py`` defaults) in float16 with dynamic loss
    scaling, and in bf16: skipped steps, forward overflows, final loss scale,
    validation loss of fp16 against bf16, tokens/s.
-5. ``compile`` (~40 s): trace, lowering and compile seconds of the gpt1024 step,
+6. ``compile`` (~40 s): trace, lowering and compile seconds of the gpt1024 step,
    jaxamp bf16 against the hand-written bf16 model (cuDNN attention; the XLA
    attention where the backend has no cuDNN), caches cleared before each,
    interleaved, median of 2 repeats.
 
-Budget: ``--budget-s`` (default 420 s), counted from the interpreter's start
+Budget: ``--budget-s`` (default 450 s), counted from the interpreter's start
 (JAX's import and start included). A part starts only if its estimate fits in
 what is left, so the run ends near the budget plus the last part's overrun:
 within the 8 minutes of wall a device command is planned for. Both files are
@@ -549,12 +554,63 @@ def part_compile(dry_run: bool, budget: Budget) -> dict:
     return {"size": size, "rows": rows, "md": lines}
 
 
+# --- the precision debugger at depth ---------------------------------------------
+
+PRECISION_COLUMNS = [
+    ("amp step first call s", "step_first_call_s", "{:.2f}"),
+    ("precision_report s", "report_s", "{:.2f}"),
+    ("ratio", "ratio", "{:.2f}x"),
+    ("records", "records", "{}"),
+    ("top scope", "top", "{}"),
+]
+
+
+def part_precision(dry_run: bool, budget: Budget) -> dict:
+    """Part 4: ``benchmarks/precision_report.py``'s depth sweep at 4 and 24
+    scanned layers (dry run: 1 and 2 at width 32), each row in a fresh
+    process: the report's time over the jitted amp step's first call."""
+    import precision_report as pr
+
+    depths, size = ((1, 2), "32,16,2") if dry_run else ((4, 24), "256,128,8")
+    rows, skipped = [], []
+    for layers in depths:
+        # the deeper row costs about twice the shallower one
+        need = 2 * rows[0]["wall_s"] if rows else 0.0
+        reason = budget.skip_reason(f"precision_report at {layers} layers", need)
+        if reason:
+            skipped.append(reason)
+            continue
+        t0 = time.perf_counter()
+        row = pr._fresh(["--row", "depth", str(layers), "--size", size])
+        wall = time.perf_counter() - t0
+        name = f"{layers} layer" + "s" * (layers > 1)
+        rows.append({**row, "variant": name, "wall_s": wall})
+    width, seq, batch = size.split(",")
+    lines = [
+        f"`benchmarks/precision_report.py`'s scoped GPT (layers in `lax.scan`, "
+        f"scopes attn / mlp / head), width {width}, seq {seq}, batch {batch}, "
+        "bf16 default policy; each row in a fresh process. Ratio: report time "
+        "over the jitted amp step's first call (trace, compile, run), in the "
+        "same process.",
+        "",
+        *ga.table(rows, PRECISION_COLUMNS),
+    ]
+    out = {"size": size, "rows": rows, "skipped": skipped, "md": lines}
+    if len(rows) == 2:
+        out["ratio_growth"] = rows[1]["ratio"] / rows[0]["ratio"]
+        lines += ["", f"Ratio at {depths[1]} / ratio at {depths[0]}: "
+                  f"{out['ratio_growth']:.2f}"]  # fmt: skip
+    return out
+
+
 PARTS = [
     Part("eight_bit", "FP8 and int8 against bf16 (matmul-dominated GPT)",
          part_eight_bit, (130, 12)),
     Part("gpt1024", "The gpt1024 training step", part_gpt1024, (120, 12)),
     Part("memory", "Peak bytes per added parameter of the training step",
          part_memory, (60, 12)),
+    Part("precision", "precision_report against the step, at depth",
+         part_precision, (60, 16)),
     Part("fp16_run", "200 float16 steps of the main job, dynamic loss scaling",
          part_fp16_run, (40, 8)),
     Part("compile", "Compile time against the hand-written model",
@@ -741,7 +797,7 @@ def main(argv: list[str] | None = None) -> int:
         "--budget-s",
         type=float,
         default=None,
-        help="seconds for all parts (default 420; dry run 300)",
+        help="seconds for all parts (default 450; dry run 300)",
     )
     ap.add_argument(
         "--parts",
@@ -773,7 +829,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     budget_s = args.budget_s
     if budget_s is None:
-        budget_s = 300.0 if args.dry_run else 420.0
+        budget_s = 300.0 if args.dry_run else 450.0
     budget = Budget(budget_s, start=T_START)  # imports and JAX start count
     meta = machine_meta(argv, args.note, args.dry_run)
     print(f"{meta['device']}, JAX {meta['jax']}, budget {budget_s:g} s", flush=True)

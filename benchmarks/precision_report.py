@@ -4,6 +4,7 @@ scope whose fix buys the most.
     python benchmarks/precision_report.py                  # both tables
     python benchmarks/precision_report.py --depth 4 --depth 24
     python benchmarks/precision_report.py --ranking
+    python benchmarks/precision_report.py --depth 1 --depth 2 --size 32,16,2
 
 **Depth sweep** (``--depth``): the report's time against the first call
 (trace, compile, run) of the jitted amp training step of the same model, in
@@ -64,9 +65,9 @@ def _size(width: int, layers: int, seq: int, batch: int) -> str:
     return name
 
 
-def depth_row(layers: int) -> dict:
+def depth_row(layers: int, width: int = 256, seq: int = 128, batch: int = 8) -> dict:
     """Time the first call of the jitted amp step, then the report."""
-    loss, params, x, y = model(_size(256, layers, 128, 8))
+    loss, params, x, y = model(_size(width, layers, seq, batch))
     f = jaxamp.amp(loss, compute_dtype=jnp.bfloat16)
     t0 = time.perf_counter()
     jax.block_until_ready(jax.jit(jax.value_and_grad(f))(params, x, y))
@@ -76,6 +77,7 @@ def depth_row(layers: int) -> dict:
     took = time.perf_counter() - t0
     return {
         "layers": layers,
+        "size": [width, seq, batch],
         "step_first_call_s": step,
         "report_s": took,
         "ratio": took / step,
@@ -151,16 +153,34 @@ def _shares(d: dict, k: int = 4) -> str:
     return ", ".join(f"{s} {v:.0%}" for s, v in list(d.items())[:k])
 
 
+def _size_arg(text: str) -> str:
+    parts = text.split(",")
+    if len(parts) != 3 or not all(v.isdigit() and int(v) > 0 for v in parts):
+        raise argparse.ArgumentTypeError(
+            f"--size takes width,seq,batch as three positive integers, got {text!r}"
+        )
+    return text
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--depth", type=int, action="append", help="layers in the scan")
     p.add_argument("--ranking", action="store_true", help="only the ranking table")
+    p.add_argument(
+        "--size",
+        default="256,128,8",
+        type=_size_arg,
+        help="depth sweep's width,seq,batch (default 256,128,8: size S)",
+    )
     p.add_argument("--row", nargs=2, help=argparse.SUPPRESS)  # kind, argument
     a = p.parse_args(argv)
     if a.row:  # one row, in a fresh process
         jax.block_until_ready(jax.jit(lambda v: v + 1)(jnp.ones(2)))  # JAX's start-up
         kind, arg = a.row
-        row = depth_row(int(arg)) if kind == "depth" else ranking_row(arg)
+        if kind == "depth":
+            row = depth_row(int(arg), *(int(v) for v in a.size.split(",")))
+        else:
+            row = ranking_row(arg)
         print(json.dumps(row))
         return 0
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
@@ -172,7 +192,7 @@ def main(argv=None) -> int:
         print("|---|---|---|---|---|---|---|")
         ratios = {}
         for layers in a.depth or [4, 12, 24]:
-            r = _fresh(["--row", "depth", str(layers)])
+            r = _fresh(["--row", "depth", str(layers), "--size", a.size])
             ratios[layers] = r["ratio"]
             print(
                 f"| {layers} | {r['step_first_call_s']:.2f} | {r['report_s']:.2f} | "

@@ -215,7 +215,7 @@ def test_cross_replica_bn_benchmark_tiny(tmp_path, capsys):
     assert rows["fp32 vmap"]["median"] < 1e-5
 
 
-SUITE_PARTS = ["eight_bit", "gpt1024", "memory", "fp16_run", "compile"]
+SUITE_PARTS = ["eight_bit", "gpt1024", "memory", "precision", "fp16_run", "compile"]
 
 
 @pytest.mark.slow
@@ -279,6 +279,16 @@ def test_gpu_suite_dry_run(tmp_path):
         assert 2 < r["bytes_per_param"] < 100, r
     skipped = " ".join(parts["memory"]["skipped"])
     assert ("FP8 residuals" in skipped) != gpu_suite_has_residual_dtype()
+
+    prec = parts["precision"]
+    assert [r["layers"] for r in prec["rows"]] == [1, 2] and not prec["skipped"]
+    for r in prec["rows"]:
+        assert r["size"] == [32, 16, 2] and r["records"] > 0, r
+        assert r["ratio"] == pytest.approx(r["report_s"] / r["step_first_call_s"])
+        assert r["top"] in {"attn", "mlp", "head"}, r
+    assert prec["ratio_growth"] == pytest.approx(
+        prec["rows"][1]["ratio"] / prec["rows"][0]["ratio"]
+    )
 
     comp = {r["variant"]: r for r in parts["compile"]["rows"]}
     assert list(comp) == ["jaxamp bf16", "hand bf16 xla"]  # no cuDNN on CPU

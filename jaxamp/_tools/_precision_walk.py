@@ -148,13 +148,22 @@ def site_stats(site: Site, reduced: bool) -> jax.Array:
     fo = _float_outs(site.y32)
     if not fo:
         return jnp.zeros(5, jnp.float32)
-    f32 = lambda v: jnp.asarray(v).astype(jnp.float32)  # noqa: E731
+    vals = [[jnp.asarray(v[i]) for i in fo] for v in (site.y32, site.local, site.amp)]
+    # Traced once per signature of (shapes, dtypes): sites alike share it.
+    return _stats(*vals, reduced=reduced)
+
+
+@jax.jit(static_argnames="reduced")
+def _stats(ws: list, los: list, ams: list, reduced: bool) -> jax.Array:
+    """:func:`site_stats` of the float outputs ``ws`` (float32's), ``los``
+    (local) and ``ams`` (amp's)."""
+    f32 = lambda v: v.astype(jnp.float32)  # noqa: E731
     sq = lambda v: jnp.sum(v * v)  # noqa: E731
     # num/den of the local and propagated errors, overflows, underflows
     sums = [jnp.float32(0)] * 6
     peak = jnp.float32(0)
-    for i in fo:
-        w, lo, am = f32(site.y32[i]), f32(site.local[i]), f32(site.amp[i])
+    for w, lo, am in zip(ws, los, ams):
+        w, lo, am = f32(w), f32(lo), f32(am)
         d_am, w_am = _diff(am, w)
         new = [jnp.float32(0), jnp.float32(0), sq(d_am), sq(w_am)]
         if reduced:
@@ -175,7 +184,7 @@ def site_stats(site: Site, reduced: bool) -> jax.Array:
         safe = jnp.where(den > 0, den, 1.0)
         return jnp.where(den > 0, jnp.sqrt(num / safe), (num > 0).astype(jnp.float32))
 
-    size = np.float32(sum(np.size(site.y32[i]) for i in fo) or 1)
+    size = np.float32(sum(w.size for w in ws) or 1)
     local = rel(sums[0], sums[1]) if reduced else jnp.float32(0)
     return jnp.stack(
         [local, rel(sums[2], sums[3]), sums[4] / size, sums[5] / size, peak]
@@ -186,15 +195,17 @@ def forward_delta(site: Site) -> list:
     """``local - y32`` per float output (of ``y32``'s dtype): a sentinel held
     as an infinity counts 0, an overflow counts as the format's largest
     value, a NaN as 0."""
-    out = []
-    for i in _float_outs(site.y32):
-        lo, w = site.local[i], site.y32[i]
-        fmax = np.float32(jnp.finfo(lo.dtype).max)
-        lo, w = lo.astype(jnp.float32), w.astype(jnp.float32)
-        d = jnp.clip(lo, -fmax, fmax) - w
-        d = jnp.where(_sat(lo, w) | ~jnp.isfinite(d), 0.0, d)
-        out.append(d.astype(site.y32[i].dtype))
-    return out
+    fo = _float_outs(site.y32)
+    return [_delta(jnp.asarray(site.local[i]), jnp.asarray(site.y32[i])) for i in fo]
+
+
+@jax.jit
+def _delta(lo: jax.Array, w: jax.Array) -> jax.Array:
+    """:func:`forward_delta` of one output (traced once per signature)."""
+    fmax = np.float32(jnp.finfo(lo.dtype).max)
+    d = jnp.clip(lo.astype(jnp.float32), -fmax, fmax) - w.astype(jnp.float32)
+    d = jnp.where(_sat(lo, w) | ~jnp.isfinite(d), 0.0, d)
+    return d.astype(w.dtype)
 
 
 class _Visitor:
