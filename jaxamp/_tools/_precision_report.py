@@ -317,7 +317,7 @@ def precision_report(
     backward pass for every equation's float32 cotangent, each equation's
     backward pass at the float32 point, and the float32 gradient re-run once
     per scope with that scope's local errors added (the ranking). amp's own
-    jitted step is compiled in a second thread meanwhile.
+    jitted step is compiled and run in a second thread meanwhile.
 
     Args:
         loss_fn: ``loss_fn(params, *rest, **kwargs)`` returning a float scalar
@@ -358,11 +358,10 @@ def precision_report(
     _check_loss(out[0] if has_aux else out)
     scale = float(loss_scale or (2.0**15 if cd == np.float16 else 1.0))
     # amp's own step (its gradient is the error the ranking apportions) is
-    # traced here, under the caller's JAX configuration, and compiled in a
-    # second thread while the analysis is (XLA releases Python's lock).
+    # traced here, under the caller's JAX configuration, and compiled and run
+    # in a second thread while the analysis is (XLA releases Python's lock).
     cache: dict = {}
     job = _amp_step(loss_fn, args, kwargs, cd, amp_policy, has_aux, scale)
-    # Its run is dispatched there too, to use the cores the compiles leave.
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         amp_step = pool.submit(lambda: job[0].compile()(job[1]))
         walk = _walk(loss_fn, args, kwargs, cd, amp_policy, has_aux, cache, scale)
