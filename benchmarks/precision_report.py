@@ -144,8 +144,13 @@ def ranking_row(name: str) -> dict:
 
 
 def _fresh(args: list[str]) -> dict:
+    """One row, run by this script in a fresh process; a failure raises
+    ``RuntimeError`` with the end of the child's output."""
     cmd = [sys.executable, __file__, *args]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode:
+        tail = (out.stdout + out.stderr)[-3000:]
+        raise RuntimeError(f"{' '.join(args)} exited {out.returncode}:\n{tail}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
