@@ -277,7 +277,8 @@ def _amp_call(ctx: AmpContext, check: bool, fn: Callable, args, kwargs) -> Any:
             # bfloat16/float16 arguments (low-precision parameters) are the
             # float32 values they hold: traced in float32, the policy keeps
             # statistics, softmax and the loss chain in float32 as with float32
-            # parameters; each argument's cotangent is cast back to its dtype.
+            # parameters; the walk widens them only where a use reads them in
+            # float32, so each argument's cotangent keeps its dtype.
             # The outputs keep the dtypes fn gives them on the real arguments
             # (a trace under standard promotion: where strict promotion traces,
             # both give the same dtypes; JAX's own bfloat16 attention does not).
@@ -285,7 +286,6 @@ def _amp_call(ctx: AmpContext, check: bool, fn: Callable, args, kwargs) -> Any:
                 real = _compat.trace_to_closed_jaxpr(flat_fn, avals, name)
             out_avals = [v.aval for v in _compat.jaxpr_parts(real)[0].outvars]
             closed = _compat.trace_to_closed_jaxpr(flat_fn, wide, name)
-            leaves = [restore(x, a) for x, a in zip(leaves, wide)]
         else:
             closed = _compat.trace_to_closed_jaxpr(flat_fn, avals, name)
             out_avals = [v.aval for v in _compat.jaxpr_parts(closed)[0].outvars]
@@ -296,7 +296,12 @@ def _amp_call(ctx: AmpContext, check: bool, fn: Callable, args, kwargs) -> Any:
         held = [True] * len(leaves)
         # The outputs feed nothing in the function: no matmul, no softmax.
         edge = ((0,) * len(core.outvars), None)
-        outs = eval_jaxpr(core, consts, leaves, ctx, held, True, edge)
+        # Low-precision arguments enter the walk as they are: widened where a
+        # use reads them in float32, read as they are by the compute-dtype
+        # matmuls and by the loops that slice them (docs/design.md, "A
+        # bfloat16-parameter step").
+        narrow = [w != a for w, a in zip(wide, avals)]
+        outs = eval_jaxpr(core, consts, leaves, ctx, held, True, edge, narrow)
         outs = [restore(x, a) for x, a in zip(outs, out_avals)]
     # A key the user wrote that matched nothing (a typo) warns.
     ctx.policy.warn_unmatched(getattr(fn, "__name__", "fn"))

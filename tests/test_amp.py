@@ -4,6 +4,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import jaxamp
@@ -223,3 +224,108 @@ def test_float32_compute_dtype_is_the_identity_on_a_jaxpr():
     closed = jax.make_jaxpr(jaxamp.amp(mlp, compute_dtype=F32))(W, X)
     assert not [e for e in eqns(closed) if e.primitive.name == "convert_element_type"]
     np.testing.assert_allclose(jaxamp.amp(mlp, compute_dtype=F32)(W, X), mlp(W, X))
+
+
+# --- Low-precision arguments: read as they are, widened at their uses
+
+
+def _scanned_net(params, x):
+    """Layers stacked in ``lax.scan``: LayerNorm with a gain, a GELU MLP."""
+
+    def layer(h, p):
+        mean = h.mean(-1, keepdims=True)
+        var = jnp.square(h - mean).mean(-1, keepdims=True)
+        n = (h - mean) * jax.lax.rsqrt(var + 1e-5) * p["gain"]
+        return h + jax.nn.gelu(n @ p["w1"]) @ p["w2"], None
+
+    h, _ = jax.lax.scan(layer, x, params["layers"])
+    return jnp.mean(jax.nn.logsumexp(h @ params["head"], axis=-1))
+
+
+def _stacked_params(dtype, layers=3, d=32):
+    k = jax.random.split(jax.random.key(3), 4)
+    params = {
+        "layers": {
+            "gain": 1.0 + 0.1 * jax.random.normal(k[0], (layers, d)),
+            "w1": jax.random.normal(k[1], (layers, d, 4 * d)) / d**0.5,
+            "w2": jax.random.normal(k[2], (layers, 4 * d, d)) / (4 * d) ** 0.5,
+        },
+        "head": jax.random.normal(k[3], (d, 8)) / d**0.5,
+    }
+    return jax.tree.map(lambda a: a.astype(dtype), params)
+
+
+def test_bfloat16_parameters_stay_bfloat16_through_a_scan():
+    # A stacked bfloat16 weight enters the loop as it is: no scan of the
+    # gradient takes or returns a float32 array of a stacked weight's shape
+    # (the float32 copy and the float32 gradient stack amp used to make).
+    params = _stacked_params(jnp.bfloat16)
+    x = (300.0 * jax.random.normal(jax.random.key(4), (16, 32))).astype(jnp.bfloat16)
+    x = x.astype(jnp.float32)  # activations in the hundreds, bf16-exact
+    loss = jaxamp.amp(_scanned_net, compute_dtype=jnp.bfloat16)
+    grad = jax.grad(loss)
+    stacked = {a.shape for a in jax.tree.leaves(params["layers"]) if a.ndim == 3}
+    scans = [
+        e for e in eqns(jax.make_jaxpr(grad)(params, x)) if e.primitive.name == "scan"
+    ]
+    assert len(scans) >= 2  # the forward loop and the transposed one
+    for e in scans:
+        wide = [
+            v.aval
+            for v in (*e.invars, *e.outvars)
+            if v.aval.shape in stacked and v.aval.dtype != BF16
+        ]
+        assert not wide, (wide, e.params["jaxpr"])
+    # The same values as amp with float32 parameters holding those values:
+    # a weight's cotangent is the bfloat16 product's result either way; the
+    # gains' float32 cotangents are rounded once.
+    g = jax.jit(grad)(params, x)
+    wide_params = jax.tree.map(lambda a: a.astype(jnp.float32), params)
+    ref = jax.jit(grad)(wide_params, x)
+    assert all(a.dtype == BF16 for a in jax.tree.leaves(g))
+    for name in ("w1", "w2", "gain"):
+        got, want = g["layers"][name], ref["layers"][name].astype(jnp.bfloat16)
+        np.testing.assert_array_equal(np.asarray(got, F32), np.asarray(want, F32))
+    np.testing.assert_array_equal(
+        np.asarray(g["head"], F32), np.asarray(ref["head"].astype(jnp.bfloat16), F32)
+    )
+    # Against float32 arithmetic: bfloat16 matmuls, a few percent at most.
+    exact = jax.grad(_scanned_net)(wide_params, x)
+    for got, want in zip(jax.tree.leaves(g), jax.tree.leaves(exact)):
+        err = jnp.linalg.norm(got.astype(F32) - want) / jnp.linalg.norm(want)
+        assert float(err) < 0.03
+
+
+def test_float16_parameters_with_loss_scaling_stay_finite_and_skip_overflow():
+    # float16 parameters, float16 compute, dynamic loss scaling: the scaled
+    # cotangent of a stacked weight is float16 per layer (the product's result)
+    # and the scaler unscales it in float32; an overflowing scale is a
+    # skipped step that leaves the parameters as they were.
+    params = _stacked_params(jnp.float16)
+    x = jax.random.normal(jax.random.key(5), (16, 32)).astype(jnp.float16)
+    x = 100.0 * x.astype(jnp.float32)
+    loss = jaxamp.amp(_scanned_net, compute_dtype=jnp.float16)
+    vg = jaxamp.dynamic_scale_value_and_grad(loss, filter=False)
+    tx = jaxamp.skip_nonfinite_updates(optax.sgd(1e-3))
+
+    @jax.jit
+    def step(p, s, scaler):
+        scaler, (_, g) = vg(p, x, dynamic_scaler_state=scaler)
+        u, s = tx.update(g, s, p)
+        with jax.numpy_dtype_promotion("standard"):  # float32 updates
+            return optax.apply_updates(p, u), s, scaler, g
+
+    state = tx.init(params)
+    p1, s1, sc1, g1 = step(params, state, jaxamp.DynamicScalerState(scaler=2.0**10))
+    assert all(a.dtype == F16 for a in jax.tree.leaves(p1))
+    assert all(a.dtype == F32 for a in jax.tree.leaves(g1))  # unscaled
+    assert all(bool(jnp.isfinite(a).all()) for a in jax.tree.leaves(g1))
+    assert int(s1.skipped_steps) == 0 and float(sc1.scaler) == 2.0**10
+    exact = jax.grad(_scanned_net)(jax.tree.map(lambda a: a.astype(F32), params), x)
+    err = optax.tree.norm(jax.tree.map(lambda a, b: a.astype(F32) - b, g1, exact))
+    assert float(err / optax.tree.norm(exact)) < 0.03
+    p2, s2, sc2, _ = step(p1, s1, jaxamp.DynamicScalerState(scaler=2.0**24))
+    assert int(s2.skipped_steps) == 1 and float(sc2.scaler) == 2.0**23
+    assert all(
+        bool((a == b).all()) for a, b in zip(jax.tree.leaves(p2), jax.tree.leaves(p1))
+    )

@@ -35,7 +35,7 @@ import numpy as np
 
 from .. import _compat
 from .._base import _state
-from .._base._cast import cast, cast_cache
+from .._base._cast import cast, cast_cache, narrow_source
 from .._base._dtypes import dtype_of, is_float, is_low
 from .._base._prims import MATMULS
 from .._base._structure import describe
@@ -80,6 +80,8 @@ def bind_saving_less(
     narrow = "narrow_activations" not in off
     if narrow and call.name in MATMULS and call.rule is use_lower_precision:
         invals = _narrow_activations(invals, call.original, call.compute_dtype)
+    if call.name in MATMULS and call.rule is use_lower_precision:
+        invals = _as_held_narrow(invals, call.compute_dtype)
     fmt = stash_format()
     if fmt is not None:
         outs = bind_compressed(call, invals, fmt)
@@ -127,6 +129,20 @@ def _narrow_activations(
         else x
         for x in invals
     ]
+
+
+def _as_held_narrow(invals: Sequence[Any], compute_dtype: np.dtype) -> list[Any]:
+    """A matmul's inputs with each widened low-precision value (a bfloat16
+    parameter read as float32, :func:`jaxamp._base._cast.widen`) replaced by
+    the value it widens, where that is in the compute dtype: the rule would
+    cast it back exactly, and the matmul then reads (and its backward pass
+    saves) the parameter itself, not a float32 copy to re-cast."""
+    out = list(invals)
+    for i, x in enumerate(invals):
+        source = narrow_source(x)
+        if source is not None and dtype_of(source) == np.dtype(compute_dtype):
+            out[i] = source
+    return out
 
 
 def _casts_only_held(invals: Sequence[Any], compute_dtype: np.dtype) -> bool:

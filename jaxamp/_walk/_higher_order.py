@@ -41,7 +41,7 @@ import numpy as np
 
 from .. import _compat
 from .._base import _state, _structure
-from .._base._cast import cast, cast_cache, restore
+from .._base._cast import cast, cast_cache, narrow_sources, restore
 from .._base._dtypes import dtype_of
 from .._base._structure import (
     DESCRIPTIONS,
@@ -153,6 +153,7 @@ def rewrite_jaxpr(
     in_dtypes: tuple | None = None,
     out_dtypes: tuple | str | None = None,
     held: tuple[bool, ...] = (),
+    widened: tuple[bool, ...] = (),
 ) -> Any:
     """``jaxpr`` rewritten under ``ctx``; by default with identical in/out avals.
 
@@ -161,7 +162,10 @@ def rewrite_jaxpr(
     carries); ``out_dtypes=FREE`` lets outputs leave in the dtype the body
     computes them in (call-like primitives). ``held`` marks the inputs bound to
     held values (:func:`jaxamp._residuals.is_held`) where JAX's partial
-    evaluation forwards them as residuals. Returns a jaxpr of the same kind
+    evaluation forwards them as residuals. ``widened`` marks the inputs given
+    in a narrower dtype (``in_dtypes``) that hold the traced, wider value: the
+    body reads them widened where it needs the wider dtype
+    (:func:`narrow_sources`). Returns a jaxpr of the same kind
     (closed or open), or None when an open jaxpr would need constants it
     cannot carry (the caller then runs the equation unchanged).
     """
@@ -174,15 +178,21 @@ def rewrite_jaxpr(
     edge = _facts.current_facts().boundary_for(jaxpr)
     state = _state.current()
     modes = (state.recomputed, state.stash_off)
-    key = (ctx.key, in_dtypes, out_dtypes, held, edge, modes)
+    key = (ctx.key, in_dtypes, out_dtypes, held, edge, modes, widened)
     if key not in per_jaxpr:
-        new = _retrace(jaxpr, ctx, in_dtypes, out_dtypes, held, edge)
+        new = _retrace(jaxpr, ctx, in_dtypes, out_dtypes, held, edge, widened)
         per_jaxpr[key] = _compat.like(jaxpr, new)
     return per_jaxpr[key]
 
 
 def _retrace(
-    jaxpr: Any, ctx: AmpContext, in_dtypes=None, out_dtypes=None, held=(), edge=None
+    jaxpr: Any,
+    ctx: AmpContext,
+    in_dtypes=None,
+    out_dtypes=None,
+    held=(),
+    edge=None,
+    widened=(),
 ) -> Any:
     core, consts = _compat.jaxpr_parts(jaxpr)
     in_avals = with_dtypes([v.aval for v in core.invars], in_dtypes)
@@ -195,7 +205,9 @@ def _retrace(
         # A fresh cast cache per trace: a cast made in this trace must never be
         # served to another one (it would leak a tracer).
         with cast_cache():
-            outs = eval_jaxpr(core, consts, args, ctx, held, boundary=edge)
+            outs = eval_jaxpr(
+                core, consts, args, ctx, held, boundary=edge, widened=widened
+            )
             if free:
                 return outs
             return [restore(x, a) for x, a in zip(outs, out_avals)]
@@ -240,6 +252,7 @@ def _call(eqn: Any, invals: list, ctx: AmpContext) -> Any:
     stay valid.
     """
     (name,) = [k for k, v in eqn.params.items() if _compat.is_jaxpr(v)]
+    invals, _, widened = narrow_sources(invals)
     in_dtypes = _changed_dtypes(invals, eqn.invars)
     params = dict(eqn.params)
     # Held inputs stay held through a jit; inside a user's checkpoint its own
@@ -254,7 +267,9 @@ def _call(eqn: Any, invals: list, ctx: AmpContext) -> Any:
     stored = stored and (remat or recomputable(params[name]))
     held = () if remat or stored else tuple(map(is_held, invals))
     with _state.recomputing(remat or stored):
-        params[name] = rewrite_jaxpr(params[name], ctx, in_dtypes, FREE, held)
+        params[name] = rewrite_jaxpr(
+            params[name], ctx, in_dtypes, FREE, held, widened if any(widened) else ()
+        )
     if params[name] is None:
         return run_unchanged(eqn, invals, ctx)
     return _bind_stored(eqn.primitive, params, invals, fmt if stored else None)
@@ -397,7 +412,13 @@ def _scan(eqn: Any, invals: list, ctx: AmpContext) -> Any:
         for c, v in zip(carry, carry_vars)
     )
     n_in = len(eqn.invars)
-    in_dtypes = (None,) * n_consts + dtypes + (None,) * (n_in - n_consts - n_carry)
+    # Stacked inputs held narrower than traced (bfloat16 parameters) enter the
+    # loop as they are; the body widens the slice it reads where it needs to.
+    # Consts keep their traced dtype: the transposed loop accumulates their
+    # cotangent across iterations, which must not be in bfloat16.
+    xs = range(n_consts + n_carry, n_in)
+    invals, xs_dtypes, widened = narrow_sources(invals, xs)
+    in_dtypes = (None,) * n_consts + dtypes + xs_dtypes[xs.start :]
     out_dtypes = dtypes + (None,) * (len(eqn.outvars) - n_carry)
     # Held consts and xs: scan's partial evaluation forwards them as residuals.
     held = tuple(
@@ -405,7 +426,8 @@ def _scan(eqn: Any, invals: list, ctx: AmpContext) -> Any:
         for i, x in enumerate(invals)
     )
     params = dict(eqn.params)
-    body = rewrite_jaxpr(params["jaxpr"], ctx, in_dtypes, out_dtypes, held)
+    widened = widened if any(widened) else ()
+    body = rewrite_jaxpr(params["jaxpr"], ctx, in_dtypes, out_dtypes, held, widened)
     if body is None:
         return run_unchanged(eqn, invals, ctx)
     # Inputs the rewritten body only reads in a narrower dtype are cast once,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -31,7 +32,7 @@ import numpy as np
 
 from .. import _compat
 from .._base import _state
-from .._base._cast import cast_cache, restore
+from .._base._cast import cast_cache, restore, widen
 from .._base._jaxpr import read, write
 from .._policy._kinds import ImplementationRule
 from .._policy._lookup import AmpPolicy
@@ -189,13 +190,15 @@ def eval_jaxpr(
     held: Sequence[bool] = (),
     consts_held: bool = False,
     boundary: tuple | None = None,
+    widened: Sequence[bool] = (),
 ) -> list[Any]:
     """Evaluate ``jaxpr`` with every equation re-bound under the amp policy.
 
     Args:
         jaxpr: an open jaxpr (``constvars``, ``invars``, ``eqns``, ``outvars``).
         consts: values for ``jaxpr.constvars``.
-        args: values for ``jaxpr.invars`` (in their traced dtypes).
+        args: values for ``jaxpr.invars`` (in their traced dtypes, except
+            where ``widened``).
         ctx: compute dtype, policy, tables and enclosing scopes.
         held: per arg, whether it stays alive for the whole step anyway (see
             :attr:`jaxamp._state.WalkState.held`); a matmul whose cast inputs
@@ -207,6 +210,13 @@ def eval_jaxpr(
             ``jaxpr`` (:mod:`jaxamp._facts`): the uses of its outputs (all zero
             for the amp'd function's own outputs) and which inputs have the
             magnitude of a square; None where unknown (conservative).
+        widened: per arg, whether it is narrower than its traced dtype and
+            holds the wider value (a bfloat16 parameter traced as float32):
+            the walk reads it widened, at the start of this jaxpr (for a
+            ``scan`` body: the slice one iteration reads), and a cast of the
+            widened value back to the arg's dtype is the arg itself
+            (:func:`jaxamp._base._cast.widen`), so a matmul reads a bfloat16
+            parameter as it is and its cotangent stays bfloat16.
 
     Returns:
         The output values, in whatever dtype the policy left them; callers cast
@@ -217,13 +227,21 @@ def eval_jaxpr(
         TypeError: if a rule returns the wrong number of inputs (names the
             primitive and the rule).
     """
-    env: dict[Any, Any] = {}
-    env.update(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
-    pairs = [*zip(args, held), *((c, consts_held) for c in consts)]
-    held_map = {id(x): x for x, h in pairs if h and isinstance(x, jax.Array)}
-    with _state.updated(held=held_map):
-        return _eval_eqns(jaxpr, env, ctx, boundary)
+    with cast_cache():
+        pairs = [*zip(args, held), *((c, consts_held) for c in consts)]
+        if any(widened):  # read as the wider values they hold
+            wide = [
+                widen(x, v.aval.dtype) if w else x
+                for x, v, w in itertools.zip_longest(args, jaxpr.invars, widened)
+            ]
+            pairs += list(zip(wide, held))  # a widened held value is held
+            args = wide
+        env: dict[Any, Any] = {}
+        env.update(zip(jaxpr.constvars, consts))
+        env.update(zip(jaxpr.invars, args))
+        held_map = {id(x): x for x, h in pairs if h and isinstance(x, jax.Array)}
+        with _state.updated(held=held_map):
+            return _eval_eqns(jaxpr, env, ctx, boundary)
 
 
 def _plan(jaxpr: Any, facts: Sequence, rewrites: Sequence[PatternRewrite]) -> dict:
@@ -242,13 +260,12 @@ def _eval_eqns(jaxpr: Any, env: dict, ctx: AmpContext, boundary) -> list[Any]:
     plan = _plan(jaxpr, facts, pipeline.rewrites)
     walk = Walk(jaxpr, facts, env, ctx)
     started: dict[int, Any] = {}  # first index of a started region -> token
-    with cast_cache():
-        for i, eqn in enumerate(jaxpr.eqns):
-            region = plan.get(i)
-            if region is not None and _in_region(walk, region, i, started):
-                continue
-            _run_eqn(eqn, facts[i], env, ctx)
-        return [read(env, v) for v in jaxpr.outvars]
+    for i, eqn in enumerate(jaxpr.eqns):
+        region = plan.get(i)
+        if region is not None and _in_region(walk, region, i, started):
+            continue
+        _run_eqn(eqn, facts[i], env, ctx)
+    return [read(env, v) for v in jaxpr.outvars]
 
 
 def _in_region(walk: Walk, region: Region, i: int, started: dict) -> bool:
