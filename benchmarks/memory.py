@@ -33,22 +33,46 @@ and dynamic-map int8 moments after N float32 steps.
 
 ``--slope``: the step's peak per added parameter (compile only). For each
 variant of ``SLOPE_VARIANTS`` (a table of named recipes: amp or hand-written
-bfloat16 JAX, the parameter dtype, the optimizer) and each regime of
-``REGIMES`` (parameter-dominated: seq 256, batch 1; activation-dominated:
-seq 1024, batch 8), XLA's memory analysis (arguments + outputs - aliased +
-temp) of three jitted programs at ``--slope-layers`` (4 and 8) layers of
-width ``--width``: the whole step (parameters and optimizer state donated),
-the gradient (``value_and_grad``) and the update (``update`` and
-``optax.apply_updates``, parameters, state and gradients donated). The slope
-between the two layer counts divided by the parameters added is the step's
-bytes per parameter; the step's per-layer slope and its fixed part give the
-layers of that width that fit 16 and 80 GiB.
+bfloat16 JAX, the parameter dtype, the optimizer, amp's options such as
+``residual_dtype``) and each regime of ``REGIMES`` (parameter-dominated: seq
+256, batch 1; activation-dominated: seq 1024, batch 8), XLA's memory analysis
+(arguments + outputs - aliased + temp) of three jitted programs at
+``--slope-layers`` (4 and 8) layers of width ``--width``: the whole step
+(parameters and optimizer state donated), the gradient (``value_and_grad``)
+and the update (``update`` and ``optax.apply_updates``, parameters, state and
+gradients donated). The slope between the two layer counts divided by the
+parameters added is the step's bytes per parameter; the gradient's temp
+bytes per parameter (the slope of its ``temp_size_in_bytes`` alone) show what
+the backward pass keeps; the step's per-layer slope and its fixed part give
+the layers of that width that fit 16 and 80 GiB. Options of ``--slope``:
+
+* ``--targets cpu h100`` (default ``cpu``): the compilers to measure with,
+  each program compiled through ``benchmarks/gpu_target.py``'s
+  ``compile_for``, one table per regime and target. ``cpu`` is this
+  machine's XLA:CPU; ``h100`` is XLA:GPU for an NVIDIA H100 SXM, compiled
+  ahead of time on this machine without a GPU (no autotuning: compare slopes,
+  not absolute temp bytes). ``h100`` needs the CUDA plugin of the installed
+  jax version, in this environment or a separate environment with that
+  plugin (about 5.5 GB of compiler wheels, no GPU, driver or toolkit)::
+
+      pip install "jax[cuda12]==$(python -c 'import jax; print(jax.__version__)')"
+      JAX_PLATFORMS=cpu python benchmarks/memory.py --slope --targets cpu h100
+
+  Without it, ``--targets h100`` exits with that install line.
+* ``--model PATH``: measure the GPT of a Python file instead of the main
+  job's: it defines ``init(key, vocab=96, d=..., layers=L, heads=..., seq=...)``
+  returning a parameter dict, and ``loss_fn(params, tokens, heads=...)`` with
+  int32 ``tokens`` of shape ``(batch, seq + 1)``. ``init`` gets ``d=--width``,
+  ``heads=--heads`` (default 4 with ``--model``, 16 for the main job's GPT)
+  and the regime's ``seq``; bfloat16 variants cast every leaf of its output
+  to bfloat16.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import platform
 import subprocess
 import sys
@@ -62,6 +86,8 @@ import numpy as np
 import optax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_target  # noqa: E402
 import train_charlm as tc  # noqa: E402
 
 import jaxamp  # noqa: E402
@@ -188,12 +214,15 @@ class SlopeVariant:
         amp: run the loss under ``jaxamp.amp`` (bfloat16 compute); False: the
             loss as written, on parameters of ``param_dtype`` (hand-written
             bfloat16 JAX when that is bfloat16).
+        amp_kwargs: further keyword arguments of ``jaxamp.amp`` (e.g.
+            ``residual_dtype``), as ``(name, value)`` pairs.
     """
 
     name: str
     param_dtype: str
     optimizer: Callable
     amp: bool = True
+    amp_kwargs: tuple = ()
 
 
 def _adamw():
@@ -215,63 +244,117 @@ SLOPE_VARIANTS = [
     SlopeVariant(
         "amp, bf16 params + Kahan, bf16 state", "bfloat16", _low(rounding="kahan")
     ),
+    SlopeVariant(
+        "amp, bf16 params + SR, bf16 state, E4M3 residuals",
+        "bfloat16",
+        _low(),
+        amp_kwargs=(("residual_dtype", jnp.float8_e4m3fn),),
+    ),
 ]
+
+# --slope --targets: the table's mark of each target
+TARGET_LABELS = {
+    "cpu": "XLA:CPU",
+    "h100": "H100 target, compiled on CPU, no autotuning",
+}
 
 # name -> (seq_len, batch_size)
 REGIMES = {"parameter-dominated": (256, 1), "activation-dominated": (1024, 8)}
 
 
-def _peak(compiled) -> int:
-    m = compiled.memory_analysis()
-    return (
-        m.argument_size_in_bytes
-        + m.output_size_in_bytes
-        - m.alias_size_in_bytes
-        + m.temp_size_in_bytes
-    )
+def load_model(path: str):
+    """The module of a ``--model`` file (``init`` and ``loss_fn``)."""
+    spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"--model {path}: not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for name in ("init", "loss_fn"):
+        if not callable(getattr(module, name, None)):
+            raise ValueError(f"--model {path}: defines no {name}()")
+    return module
 
 
-def phase_peaks(v: SlopeVariant, cfg: tc.Config) -> dict:
+def _gpt(cfg: tc.Config, param_dtype: str, model=None):
+    """The parameter shapes (``param_dtype``), the loss ``loss(params,
+    *batch)`` and the batch shapes of the main job's GPT or of ``model``."""
+    if model is None:
+        params = jax.eval_shape(
+            lambda: tc.initial_params(dataclasses.replace(cfg, param_dtype=param_dtype))
+        )
+        x = jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len), jnp.int32)
+        return params, lambda p, x, y: tc.loss_fn(p, x, y, cfg.heads), (x, x)
+
+    def init():
+        params = model.init(
+            jax.random.key(cfg.seed),
+            d=cfg.d_model,
+            layers=cfg.layers,
+            heads=cfg.heads,
+            seq=cfg.seq_len,
+        )
+        return jax.tree.map(lambda a: a.astype(param_dtype), params)
+
+    tokens = jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len + 1), jnp.int32)
+    loss = lambda p, t: model.loss_fn(p, t, heads=cfg.heads)  # noqa: E731
+    return jax.eval_shape(init), loss, (tokens,)
+
+
+def phase_peaks(
+    v: SlopeVariant, cfg: tc.Config, target: str = "cpu", model=None
+) -> dict:
     """XLA's peak bytes of the donated step, the gradient and the update of
-    ``v`` on the GPT of ``cfg`` (compile only), and its parameter count."""
-    loss = lambda p, x, y: tc.loss_fn(p, x, y, cfg.heads)  # noqa: E731
+    ``v`` on the GPT of ``cfg`` (the main job's, or ``model``'s), compiled for
+    ``target`` (compile only), the gradient's temp bytes, and the parameter
+    count."""
+    params, loss, batch = _gpt(cfg, v.param_dtype, model)
     if v.amp:
-        loss = jaxamp.amp(loss, compute_dtype=jnp.bfloat16)
+        loss = jaxamp.amp(loss, compute_dtype=jnp.bfloat16, **dict(v.amp_kwargs))
     opt = v.optimizer()
-    params = jax.eval_shape(
-        lambda: tc.initial_params(dataclasses.replace(cfg, param_dtype=v.param_dtype))
-    )
     with jax.numpy_dtype_promotion("standard"):
         state = jax.eval_shape(opt.init, params)
-    x = jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len), jnp.int32)
 
     def update(params, state, grads):
         with jax.numpy_dtype_promotion("standard"):  # optax's Adam
             updates, state = opt.update(grads, state, params)
         return optax.apply_updates(params, updates), state
 
-    def step(params, state, x, y):
-        value, grads = jax.value_and_grad(loss)(params, x, y)
+    def step(params, state, *batch):
+        value, grads = jax.value_and_grad(loss)(params, *batch)
         return *update(params, state, grads), value
 
-    grads = jax.eval_shape(jax.grad(loss), params, x, x)
-    compile_ = lambda f, donate, *a: (
-        jax.jit(f, donate_argnums=donate).lower(*a).compile()
-    )  # noqa: E731
+    grads = jax.eval_shape(jax.grad(loss), params, *batch)
+    compile_ = lambda f, donate, *a: gpu_target.compile_for(  # noqa: E731
+        f, *a, target=target, donate_argnums=donate
+    )
+    grad = compile_(jax.value_and_grad(loss), (), params, *batch)
     return {
-        "step": _peak(compile_(step, (0, 1), params, state, x, x)),
-        "grad": _peak(compile_(jax.value_and_grad(loss), (), params, x, x)),
-        "update": _peak(compile_(update, (0, 1, 2), params, state, grads)),
+        "step": gpu_target.peak_bytes(compile_(step, (0, 1), params, state, *batch)),
+        "grad": gpu_target.peak_bytes(grad),
+        "grad_temp": grad.memory_analysis().temp_size_in_bytes,
+        "update": gpu_target.peak_bytes(
+            compile_(update, (0, 1, 2), params, state, grads)
+        ),
         "n": sum(a.size for a in jax.tree.leaves(params)),
     }
 
 
-def slope(v: SlopeVariant, cfg: tc.Config, layers: tuple[int, int]) -> dict:
-    """Bytes per added parameter of each phase between ``layers[0]`` and
-    ``layers[1]`` layers, and the layers that fit 16 and 80 GiB."""
-    a, b = (phase_peaks(v, dataclasses.replace(cfg, layers=n)) for n in layers)
+def slope(
+    v: SlopeVariant,
+    cfg: tc.Config,
+    layers: tuple[int, int],
+    target: str = "cpu",
+    model=None,
+) -> dict:
+    """Bytes per added parameter of each phase (and of the gradient's temp
+    buffers) between ``layers[0]`` and ``layers[1]`` layers, compiled for
+    ``target``, and the layers that fit 16 and 80 GiB."""
+    a, b = (
+        phase_peaks(v, dataclasses.replace(cfg, layers=n), target, model)
+        for n in layers
+    )
     dn = b["n"] - a["n"]
-    out = {k: (b[k] - a[k]) / dn for k in ("step", "grad", "update")}
+    out = {k: (b[k] - a[k]) / dn for k in ("step", "grad", "grad_temp", "update")}
     per_layer = (b["step"] - a["step"]) / (layers[1] - layers[0])
     fixed = a["step"] - per_layer * layers[0]
     out["fits"] = {g: int((g * GIB - fixed) // per_layer) for g in (16, 80)}
@@ -280,37 +363,53 @@ def slope(v: SlopeVariant, cfg: tc.Config, layers: tuple[int, int]) -> dict:
 
 
 def slope_report(rows: dict, args) -> str:
-    """The ``--slope`` tables: one per regime, and each variant's layers in
-    16 GiB relative to the f32-master row."""
+    """The ``--slope`` tables: one per regime and target (``rows[regime]
+    [target][variant]``), and each variant's layers in 16 GiB relative to the
+    first row's (amp, f32 master)."""
+    model = (
+        f"the GPT of `{args.model}` (heads {args.heads})"
+        if args.model
+        else f"the main job's GPT, examples/train_charlm.py (heads {args.heads})"
+    )
     lines = [
         f"## The step's peak per added parameter (d_model {args.width}, layers "
         f"{args.slope_layers[0]} and {args.slope_layers[1]}, AdamW; compile only)",
         "",
+        f"Command: `python benchmarks/memory.py {' '.join(sys.argv[1:])}` (JAX "
+        f"{jax.__version__}, optax {optax.__version__}). Model: {model}.",
+        "",
         "Bytes per parameter: slope of XLA's memory analysis (arguments + outputs "
         "- aliased + temp) between the two layer counts, divided by the parameters "
         "added. Step: the jitted step, parameters and optimizer state donated; "
-        "grad: `value_and_grad` alone; update: `update` + `optax.apply_updates`, "
+        "grad: `value_and_grad` alone; grad temp: the slope of its temp buffers "
+        "alone; update: `update` + `optax.apply_updates`, "
         "parameters, state and gradients donated. Layers in 16/80 GiB: from the "
         "step's per-layer slope and fixed part; ratio: layers in 16 GiB over the "
-        "first row's.",
+        "first row's. Targets: XLA:CPU (this machine's compiler) and/or the H100 "
+        "target (XLA:GPU for an H100 SXM, compiled on this CPU without a GPU, no "
+        "autotuning: compare slopes, not absolute temp bytes).",
     ]
-    for regime, res in rows.items():
+    for regime, by_target in rows.items():
         seq, batch = REGIMES[regime]
-        lines += [
-            "",
-            f"### {regime} (seq {seq}, batch {batch})",
-            "",
-            "| variant | step B/param | grad B/param | update B/param | MiB per layer "
-            "| layers in 16 GiB | layers in 80 GiB | ratio (16 GiB) |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
-        ref = next(iter(res.values()))["fits"][16]
-        for name, r in res.items():
-            lines.append(
-                f"| {name} | {r['step']:.2f} | {r['grad']:.2f} | {r['update']:.2f} "
-                f"| {r['per_layer'] / 2**20:.1f} | {r['fits'][16]} | {r['fits'][80]} "
-                f"| {r['fits'][16] / ref:.2f}x |"
-            )
+        for target, res in by_target.items():
+            label = TARGET_LABELS[target]
+            lines += [
+                "",
+                f"### {regime} (seq {seq}, batch {batch}): {label}",
+                "",
+                "| variant | target | step B/param | grad B/param | grad temp B/param "
+                "| update B/param | MiB per layer | layers in 16 GiB "
+                "| layers in 80 GiB | ratio (16 GiB) |",
+                "|---|---|---|---|---|---|---|---|---|---|",
+            ]
+            ref = next(iter(res.values()))["fits"][16]
+            for name, r in res.items():
+                lines.append(
+                    f"| {name} | {label} | {r['step']:.2f} | {r['grad']:.2f} "
+                    f"| {r['grad_temp']:.2f} | {r['update']:.2f} "
+                    f"| {r['per_layer'] / 2**20:.1f} | {r['fits'][16]} "
+                    f"| {r['fits'][80]} | {r['fits'][16] / ref:.2f}x |"
+                )
     return "\n".join(lines) + "\n"
 
 
@@ -468,10 +567,27 @@ def report(mem: dict, train: dict, args) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _h100_missing() -> str | None:
+    """``gpu_target.available()``: None, or why the H100 target cannot be
+    compiled for (the install line)."""
+    try:
+        return gpu_target.available()
+    except ModuleNotFoundError:  # no jax_plugins package: find_spec raises
+        return (
+            "the H100 target needs the CUDA plugin of this jax version: pip "
+            f'install "jax[cuda12]=={jax.__version__}" (no GPU needed)'
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--width", type=int, default=1024, help="d_model of part 1")
-    p.add_argument("--heads", type=int, default=16, help="heads of part 1")
+    p.add_argument(
+        "--heads",
+        type=int,
+        default=None,
+        help="heads of part 1 and --slope (default 16; 4 with --model)",
+    )
     p.add_argument("--seq-len", type=int, default=1024, help="part 1")
     p.add_argument("--batch-size", type=int, default=8, help="part 1")
     p.add_argument("--layers", type=int, nargs=2, default=(2, 4), help="part 1 fit")
@@ -483,9 +599,39 @@ def main(argv: list[str] | None = None) -> int:
         "--slope", action="store_true", help="only the per-parameter slope tables"
     )
     p.add_argument("--slope-layers", type=int, nargs=2, default=(4, 8))
-    p.add_argument("--regimes", nargs="*", default=list(REGIMES), help="--slope")
+    p.add_argument(
+        "--regimes",
+        nargs="*",
+        default=list(REGIMES),
+        choices=list(REGIMES),
+        help="--slope",
+    )
+    p.add_argument(
+        "--targets",
+        nargs="+",
+        default=["cpu"],
+        choices=list(gpu_target.TARGETS),
+        help="--slope: compile for XLA:CPU and/or an H100 (compile only; h100 "
+        "needs jax[cuda12])",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        metavar="PATH",
+        help="--slope: a Python file defining init(key, vocab, d, layers, heads, "
+        "seq) and loss_fn(params, tokens, heads) (default: the main job's GPT)",
+    )
     args = p.parse_args(argv)
+    if args.heads is None:
+        args.heads = 4 if args.model else 16
+    if not args.slope and (args.model or args.targets != ["cpu"]):
+        p.error("--model and --targets apply to --slope only")
     if args.slope:
+        missing = "h100" in args.targets and _h100_missing()
+        if missing:
+            print(f"memory.py: {missing}", file=sys.stderr)
+            return 2
+        model = load_model(args.model) if args.model else None
         chosen = [
             v for v in SLOPE_VARIANTS if not args.variants or v.name in args.variants
         ]
@@ -495,10 +641,12 @@ def main(argv: list[str] | None = None) -> int:
             cfg = tc.Config(
                 d_model=args.width, heads=args.heads, seq_len=seq, batch_size=batch
             )
-            rows[regime] = {}
+            rows[regime] = {t: {} for t in dict.fromkeys(args.targets)}
             for v in chosen:
-                rows[regime][v.name] = slope(v, cfg, tuple(args.slope_layers))
-                print(regime, v.name, rows[regime][v.name], flush=True)
+                for t in rows[regime]:
+                    r = slope(v, cfg, tuple(args.slope_layers), t, model)
+                    rows[regime][t][v.name] = r
+                    print(regime, t, v.name, r, flush=True)
         text = slope_report(rows, args)
         print(text)
         if args.out:
