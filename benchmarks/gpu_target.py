@@ -10,7 +10,8 @@ toolkit (about 5.5 GB of compiler wheels)::
 
 Run the process with ``JAX_PLATFORMS=cpu`` (the tests set it): the CUDA
 backend is then never initialised; it serves only as a compile-only topology
-(``jax.experimental.topologies``). Not measured: run time, and the GEMM
+(``jax.experimental.topologies``); jaxamp traces for the target
+(``jaxamp._compat.target_backend``). Not measured: run time, and the GEMM
 configurations autotuning would pick on a device (compare slopes, not absolute
 temp bytes).
 
@@ -28,6 +29,8 @@ from typing import Any
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxamp import _compat
 
 TARGETS = ("cpu", "h100")
 
@@ -135,7 +138,11 @@ def compile_for(
     shapes = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args
     )
-    return jax.jit(fn, donate_argnums=tuple(donate_argnums)).lower(*shapes).compile()
+    jitted = jax.jit(fn, donate_argnums=tuple(donate_argnums))
+    # jaxamp's backend-dependent choices (XLA:CPU's bfloat16 slices, its
+    # transposed-product barrier, cuDNN attention) are the target's.
+    with _compat.target_backend("gpu" if target == "h100" else "cpu"):
+        return jitted.lower(*shapes).compile()
 
 
 def peak_bytes(compiled: Any) -> int:

@@ -59,6 +59,7 @@ from ._tools._precision_report import precision_report as precision_report
 from ._tools._quant_report import MatmulRecord as MatmulRecord
 from ._tools._quant_report import eight_bit_flop_share as eight_bit_flop_share
 from ._tools._quant_report import quantization_report as quantization_report
+from ._training._in_backward import update_in_backward as update_in_backward
 from ._training._low_precision import LowPrecisionState as LowPrecisionState
 from ._training._low_precision import (
     low_precision_optimizer as low_precision_optimizer,
@@ -165,6 +166,7 @@ __all__ = (
     "skip_nonfinite_updates",
     "torchao_rowwise_size_rule",
     "torchao_tensorwise_size_rule",
+    "update_in_backward",
     "use_compute_precision",
     "use_full_precision",
     "use_lower_precision",

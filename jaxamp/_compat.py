@@ -7,6 +7,7 @@ Each item names the JAX version that made it necessary. Supported: JAX 0.10.x
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -115,13 +116,38 @@ def eqn_context(eqn: Any, name_stack_prefix: Any = None):
     return stack
 
 
+_TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "jaxamp_target_backend", default=None
+)
+
+
+@contextlib.contextmanager
+def target_backend(name: str):
+    """Trace for backend ``name`` (``"gpu"``, ``"cpu"``) instead of the default
+    one: for a program compiled ahead of time for another device (an H100
+    target compiled on a CPU, ``benchmarks/gpu_target.py``), the choices that
+    depend on the backend (:func:`bf16_slices_widen`, :func:`runnable_product`,
+    :func:`cudnn_backend`) are that device's."""
+    token = _TARGET.set(name)
+    try:
+        yield
+    finally:
+        _TARGET.reset(token)
+
+
+def backend() -> str:
+    """The backend jaxamp traces for: :func:`target_backend`'s, else JAX's
+    default."""
+    return _TARGET.get() or jax.default_backend()
+
+
 def bf16_slices_widen() -> bool:
     """Whether the backend widens a bfloat16 ``dynamic_slice`` /
     ``dynamic_update_slice`` to float32 (XLA:CPU in jaxlib 0.10 / 0.11: its
     float normalization converts the whole operand, a float32 copy of a
     stacked buffer; GPUs and TPUs slice bfloat16 in place). Callers slice a
     uint16 view instead there."""
-    return jax.default_backend() == "cpu"
+    return backend() == "cpu"
 
 
 # XLA:CPU (jaxlib 0.10 / 0.11) debug options: its MLIR fusion emitters off
@@ -167,7 +193,7 @@ def runnable_product(
     """
     if not transposed or prim.name != "dot_general":
         return outs
-    if jax.default_backend() != "cpu":
+    if backend() != "cpu":
         return outs
     out_dtype = params.get("preferred_element_type")
     if out_dtype is None or jax.numpy.dtype(out_dtype).itemsize <= 2:
@@ -232,6 +258,14 @@ def used_inputs(jaxpr: Any) -> list[bool]:
     private (``partial_eval``), same signature in both."""
     _, used = _pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
     return list(used)
+
+
+def dce(jaxpr: Any, used_outputs: Sequence[bool]) -> tuple[Any, list[bool]]:
+    """``(open jaxpr computing only the used outputs, used inputs)``. JAX 0.10
+    / 0.11: ``dce_jaxpr`` is private (``partial_eval``); the returned jaxpr
+    keeps every input (``instantiate=True``)."""
+    new, _ = _pe.dce_jaxpr(jaxpr, list(used_outputs), instantiate=True)
+    return new, used_inputs(new)
 
 
 def _debug_info(name: str, fn: Callable, nargs: int):
@@ -365,8 +399,10 @@ def cudnn_backend() -> bool:
     """True when the default backend is an NVIDIA GPU (cuDNN's fused attention
     can run). JAX 0.10 / 0.11: the CUDA plugin reports ``platform == "gpu"``
     and a ``platform_version`` naming CUDA; ROCm's names ``rocm``."""
-    if jax.default_backend() != "gpu":
+    if backend() != "gpu":
         return False
+    if _TARGET.get() == "gpu":  # compiled ahead of time for a CUDA target
+        return True
     try:
         from jax.extend.backend import get_backend
 

@@ -329,9 +329,10 @@ def encoded(x: Any, fmt: Format) -> tuple[Any, Any]:
 @dataclasses.dataclass(frozen=True)
 class _Saved:
     """What the backward pass keeps of one input: ``kind`` ``"raw"`` (the
-    value), ``"code"`` (``(q, scale)``) or ``"none"`` (nothing: its derivative
-    reads no input value); ``perturbed``: a float input, whose cotangent the
-    backward pass computes."""
+    value), ``"code"`` (``(q, scale)``), ``"cast"`` (a copy in a narrower
+    dtype) or ``"none"`` (nothing: its derivative reads no input value);
+    ``perturbed``: a float input, whose cotangent the backward pass
+    computes."""
 
     kind: str
     arrays: tuple
@@ -345,6 +346,8 @@ class _Saved:
             return self.arrays[0]
         if self.kind == "code":
             return decode(*self.arrays, self.fmt, self.dtype)
+        if self.kind == "cast":
+            return self.arrays[0].astype(self.dtype)
         return jnp.zeros(self.shape, self.dtype)
 
 

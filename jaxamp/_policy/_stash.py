@@ -114,11 +114,15 @@ def parse_dtype(dtype: Any, argname: str) -> np.dtype | None:
 
 def compressible(x: Any) -> bool:
     """Whether ``x`` is stored compressed (see the module docstring)."""
+    return isinstance(x, jax.Array) and compressible_aval(x)
+
+
+def compressible_aval(x: Any) -> bool:
+    """:func:`compressible` for anything with a shape and dtype (an aval)."""
     shape = getattr(x, "shape", ())
     dtype = getattr(x, "dtype", None)
     return (
-        isinstance(x, jax.Array)
-        and dtype is not None
+        dtype is not None
         and is_float(dtype)
         and np.dtype(dtype).itemsize > 1
         and len(shape) >= 1

@@ -26,6 +26,7 @@ import numpy as np
 from .. import _compat
 from .._amp import amp
 from .._base._dtypes import canonical_dtype
+from .._policy._checkpoint import SavedChoice, recording
 from .._policy._compressed import STASH_SCOPE
 from .._policy._rules import default_amp_policy
 
@@ -171,12 +172,18 @@ class MemoryReport:
             ``value_and_grad``: ``argument``, ``output``, ``alias`` and
             ``temp`` bytes (empty where the backend gives none).
         settings: the compute dtype, residual dtype and policy used.
+        checkpoints: with a residual dtype, each value a ``jax.checkpoint``
+            saves (its inputs, what its policy names) with the dtype it is
+            stored in and the rule that chose it
+            (``jaxamp._policy._checkpoint.SavedChoice``: ``scopes``,
+            ``value``, ``shape``, ``dtype``, ``rule``, ``source``).
     """
 
     rows: list[MemoryRow]
     argument_bytes: int
     compiled: dict[str, int]
     settings: dict[str, str]
+    checkpoints: list[SavedChoice] = dataclasses.field(default_factory=list)
 
     @property
     def residual_bytes(self) -> int:
@@ -215,6 +222,14 @@ class MemoryReport:
             "compiled": self.compiled,
             "rows": [
                 dict(dataclasses.asdict(r), shape=list(r.shape)) for r in self.rows
+            ],
+            "checkpoints": [
+                dict(
+                    dataclasses.asdict(c),
+                    scopes=_scope_path(c.scopes),
+                    shape=list(c.shape),
+                )
+                for c in self.checkpoints
             ],
         }
 
@@ -289,7 +304,21 @@ class MemoryReport:
                 f"{r.bytes / mib:9.3f} {r.count:3d}  {r.dtype:<14} {r.primitive:<18} "
                 f"{(r.scope or '-'):<24} {src}"
             )
-        return "\n".join(lines)
+        return "\n".join(lines + _checkpoint_lines(self.checkpoints))
+
+
+def _checkpoint_lines(choices: list[SavedChoice]) -> list[str]:
+    """The table of the values checkpoints save: stored dtype and rule."""
+    if not choices:
+        return []
+    lines = ["", "saved at jax.checkpoint boundaries (stored as, and why):"]
+    for c in choices:
+        shape = "x".join(map(str, c.shape))
+        lines.append(
+            f"  {(_scope_path(c.scopes) or '-'):<16} {c.value:<14} {shape:<16} "
+            f"{c.dtype:<14} {c.rule:<38} {c.source.rsplit('/', 1)[-1]}"
+        )
+    return lines
 
 
 def _compiled_bytes(fn: Callable, args: tuple, kwargs: dict) -> dict[str, int]:
@@ -339,7 +368,9 @@ def memory_report(
     Returns:
         A :class:`MemoryReport`: ``.residual_bytes`` (int, equal to
         :func:`jaxamp.saved_residual_bytes`), ``.rows``, ``.argument_bytes``,
-        ``.temp_bytes``, ``.compiled``; ``print(report)`` gives a table,
+        ``.temp_bytes``, ``.compiled``, ``.checkpoints`` (per value a
+        ``jax.checkpoint`` saves: stored dtype and the rule that chose it);
+        ``print(report)`` gives a table,
         ``report.save(directory)`` a JSON file and a PNG bar chart.
 
     Raises:
@@ -372,6 +403,7 @@ def memory_report(
             "compute_dtype": compute.name,
             "residual_dtype": str(getattr(residual_dtype, "__name__", residual_dtype)),
         }
-    rows = saved_rows(fn, *args, **kwargs)
+    with recording() as choices:  # each checkpoint's saved values, and why
+        rows = saved_rows(fn, *args, **kwargs)
     compiled = _compiled_bytes(fn, args, kwargs) if compile else {}
-    return MemoryReport(rows, _tree_bytes((args, kwargs)), compiled, settings)
+    return MemoryReport(rows, _tree_bytes((args, kwargs)), compiled, settings, choices)

@@ -8,7 +8,9 @@ shapes; under ``jit`` XLA drops the rest of it as dead code. The second
 evaluation runs inside a loop over the stacked axis, on one slice of every
 stacked leaf, and computes only the values laid out like the stacked leaves,
 reading the others from the first. It accepts elementwise primitives,
-broadcasts of scalars and calls (``jit``, ``custom_jvp``, ...) into such code;
+broadcasts of scalars, calls (``jit``, ``custom_jvp``, ...) into such code
+and, given the slice's layer, the layer-major steps of rounding bits and
+int8 blocks (:func:`evaluate_slice`);
 anything else (a reshape or a reduction along a stacked leaf's axes, as in
 Adafactor's factored moments) raises :class:`Unchunkable`, and the caller
 evaluates the update on whole leaves instead. Both evaluations bind the same
@@ -106,6 +108,8 @@ def evaluate_slice(
     env: dict,
     stacked: Callable[[Any], bool],
     slice_shape: Callable[[tuple], tuple],
+    index: Any = None,
+    length: int | None = None,
 ) -> list:
     """Evaluate the values of ``jaxpr`` laid out like the stacked leaves on
     one slice of them.
@@ -117,18 +121,62 @@ def evaluate_slice(
         env: the values :func:`evaluate_whole` recorded.
         stacked: whether an aval is laid out like the stacked leaves.
         slice_shape: a stacked shape's slice shape.
+        index: the slice's layer (int32 scalar), or None. With it and
+            ``length`` (the layers), layer-major values of other shapes are
+            sliced too: an ``iota`` laid out like the stacked leaves (the
+            rounding bits' element indices), and the ``reshape``, reductions
+            over other axes and ``broadcast_in_dim`` of a sliced value whose
+            leading axis is a multiple of ``length`` (int8 state's blocks and
+            their scales), each slice being rows ``index * r`` to
+            ``(index + 1) * r``.
+        length: the number of layers (see ``index``).
 
     Returns:
         The outputs: slices where stacked, whole values from ``env`` elsewhere.
 
     Raises:
         Unchunkable: for a stacked value computed by anything but an
-            elementwise primitive, a broadcast of a scalar or a call.
+            elementwise primitive, a broadcast of a scalar, a call or (with
+            ``index``) the layer-major steps above.
     """
-    return _slice(jaxpr, consts, args, env, stacked, slice_shape, ())
+    layers = _Layers(stacked, slice_shape, index, length)
+    return _slice(jaxpr, consts, args, env, layers, ())
 
 
-def _slice(jaxpr, consts, args, env, stacked, slice_shape, path):
+class _Layers:
+    """Which avals are laid out by layers and their slice shapes: the
+    caller's, and those learned from layer-major steps (see
+    :func:`evaluate_slice`)."""
+
+    def __init__(self, stacked, slice_shape, index, length):
+        self._stacked, self._slice_shape = stacked, slice_shape
+        self.index, self.length = index, length
+        self.learned: dict[tuple, tuple] = {}
+
+    def stacked(self, aval: Any) -> bool:
+        shape = tuple(getattr(aval, "shape", ()) or ())
+        return aval is not None and (shape in self.learned or self._stacked(aval))
+
+    def slice_shape(self, shape: tuple) -> tuple:
+        shape = tuple(shape)
+        return self.learned.get(shape) or self._slice_shape(shape)
+
+    def learn(self, shape: tuple) -> bool:
+        """Register ``shape`` as layer-major, if its leading axis allows."""
+        n = self.length
+        if self.index is None or not n or not shape or shape[0] % n:
+            return False
+        self.learned.setdefault(tuple(shape), (shape[0] // n, *shape[1:]))
+        return True
+
+
+# Steps that keep a value layer-major (its leading axis) when their input is.
+_LAYOUT = frozenset(
+    {"reshape", "broadcast_in_dim", "reduce_max", "reduce_min", "reduce_sum"}
+)
+
+
+def _slice(jaxpr, consts, args, env, layers, path):
     local = {}
 
     def read(v):
@@ -136,47 +184,89 @@ def _slice(jaxpr, consts, args, env, stacked, slice_shape, path):
             return v.val
         if (path, v) in local:
             return local[(path, v)]
-        if stacked(v.aval):
+        if layers.stacked(v.aval):
             raise Unchunkable(f"a stacked value {v.aval} with no slice")
         return env[(path, v)]
 
     for v in jaxpr.constvars:
-        if stacked(v.aval):
+        if layers.stacked(v.aval):
             raise Unchunkable(f"a stacked constant {v.aval}")
     for v, x in zip(jaxpr.invars, args):
-        if stacked(v.aval):
+        if layers.stacked(v.aval):
             local[(path, v)] = x
     for i, eqn in enumerate(jaxpr.eqns):
-        if not any(stacked(getattr(v, "aval", None)) for v in eqn.outvars):
-            continue  # whole or scalar: from the whole evaluation
-        name = eqn.primitive.name
+        if not any(layers.stacked(getattr(v, "aval", None)) for v in eqn.outvars):
+            sliced_in = any(
+                not isinstance(v, _compat.Literal) and (path, v) in local
+                for v in eqn.invars
+            )
+            layout = sliced_in and eqn.primitive.name in _LAYOUT
+            if not (layout and all(layers.learn(v.aval.shape) for v in eqn.outvars)):
+                continue  # whole or scalar: from the whole evaluation
         sub = _callee(eqn)
         if sub is not None:
             invals = [
-                read(v) if stacked(getattr(v, "aval", None)) else None
+                read(v) if layers.stacked(getattr(v, "aval", None)) else None
                 for v in eqn.invars
             ]
             j, c = _compat.jaxpr_parts(sub)
-            outs = _slice(j, c, invals, env, stacked, slice_shape, path + (i,))
-        elif name in _ELEMENTWISE:
-            for v in eqn.invars:
-                aval = getattr(v, "aval", None)
-                if aval is not None and aval.ndim and not stacked(aval):
-                    raise Unchunkable(f"{name} of a stacked and an unstacked value")
-            outs = _bind(eqn, [read(v) for v in eqn.invars])
-        elif name == "broadcast_in_dim" and eqn.invars[0].aval.ndim == 0:
-            params = dict(eqn.params)
-            params["shape"] = slice_shape(tuple(params["shape"]))
-            if "sharding" in params:  # JAX 0.10 / 0.11
-                params["sharding"] = None
-            outs = _bind(eqn, [read(eqn.invars[0])], params)
+            outs = _slice(j, c, invals, env, layers, path + (i,))
         else:
-            raise Unchunkable(f"{name} on a stacked value")
+            outs = _slice_eqn(eqn, read, layers)
         for v, x in zip(eqn.outvars, outs):
             local[(path, v)] = x
     return [
-        read(v) if stacked(getattr(v, "aval", None)) else None for v in jaxpr.outvars
+        read(v) if layers.stacked(getattr(v, "aval", None)) else None
+        for v in jaxpr.outvars
     ]
+
+
+def _slice_eqn(eqn: Any, read: Callable, layers: _Layers) -> list:
+    """One equation with a stacked output, on slices."""
+    name = eqn.primitive.name
+    params = dict(eqn.params)
+    first = eqn.invars[0] if eqn.invars else None
+    first_aval = getattr(first, "aval", None)
+    if name in _ELEMENTWISE:
+        for v in eqn.invars:
+            aval = getattr(v, "aval", None)
+            if aval is not None and aval.ndim and not layers.stacked(aval):
+                raise Unchunkable(f"{name} of a stacked and an unstacked value")
+        return _bind(eqn, [read(v) for v in eqn.invars])
+    out_shape = tuple(eqn.outvars[0].aval.shape)
+    if name == "broadcast_in_dim" and first_aval.ndim == 0:
+        params["shape"] = layers.slice_shape(out_shape)
+        if "sharding" in params:  # JAX 0.10 / 0.11
+            params["sharding"] = None
+        return _bind(eqn, [read(first)], params)
+    if layers.index is None:
+        raise Unchunkable(f"{name} on a stacked value")
+    if name == "iota":
+        params["shape"] = layers.slice_shape(out_shape)
+        if "sharding" in params:
+            params["sharding"] = None
+        (out,) = _bind(eqn, [], params)
+        if params["dimension"] == 0:  # rows of this layer
+            rows = params["shape"][0]
+            out = out + (layers.index * rows).astype(out.dtype)
+        return [out]
+    if not layers.stacked(first_aval):
+        raise Unchunkable(f"{name} on a stacked value")
+    if name == "reshape" and params.get("dimensions") is None:
+        params["new_sizes"] = layers.slice_shape(out_shape)
+        return _bind(eqn, [read(first)], params)
+    if name == "broadcast_in_dim" and params["broadcast_dimensions"][:1] == (0,):
+        if out_shape[0] == first_aval.shape[0]:
+            params["shape"] = layers.slice_shape(out_shape)
+            if "sharding" in params:
+                params["sharding"] = None
+            return _bind(eqn, [read(first)], params)
+    if name.startswith("reduce_") and 0 not in params.get("axes", (0,)):
+        return _bind(eqn, [read(first)])
+    if name == "slice" and tuple(params["limit_indices"]) == first_aval.shape:
+        if not any(params["start_indices"]) and set(params["strides"] or (1,)) == {1}:
+            return [read(first)]  # the whole array
+    raise Unchunkable(f"{name} on a stacked value")
 
 
 def is_stacked(shapes: set) -> Callable[[Any], bool]:

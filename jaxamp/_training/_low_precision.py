@@ -4,6 +4,7 @@ state stored in bfloat16 or block-wise 8-bit codes."""
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, NamedTuple
 
 import jax
@@ -316,7 +317,20 @@ def _wrap(inner, codec: _Codec) -> optax.GradientTransformationExtraArgs:
             state.count + 1, new_state, new_comp
         )
 
+    if codec.slices != "never":
+        _WHOLE_LEAF[update] = lambda: _wrap(inner, codec._replace(slices="never"))
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+_WHOLE_LEAF = weakref.WeakKeyDictionary()  # update -> () -> whole-leaf optimizer
+
+
+def whole_leaf_updates(tx: Any) -> Any:
+    """``tx``, or for a :func:`low_precision_optimizer` writing stacked state a
+    layer at a time, the same one updating whole leaves (same bits): for a
+    caller that slices the update itself (``jaxamp.update_in_backward``)."""
+    make = _WHOLE_LEAF.get(getattr(tx, "update", None))
+    return tx if make is None else make()
 
 
 def _check_params(params: PyTree) -> None:

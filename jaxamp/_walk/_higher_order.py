@@ -52,6 +52,7 @@ from .._base._structure import (
     describe_call,
     run_once,
 )
+from .._policy._checkpoint import offloads, store_checkpoint
 from .._policy._compressed import (
     is_held,
     recomputable,
@@ -259,12 +260,14 @@ def _call(eqn: Any, invals: list, ctx: AmpContext) -> Any:
     # policy decides what is saved (a dots_saveable policy must see the dots).
     structure = _structure.describe(eqn)
     remat = structure is not None and structure.recomputed
-    # With a residual format: a checkpoint's boundary inputs, or all inputs of
-    # a call that is cheap and safe to recompute (jax.nn.silu), are saved
+    # With a residual format: the values a checkpoint saves (its inputs, what
+    # its policy names) each by the rule (_policy/_checkpoint.py), or all
+    # inputs of a call cheap and safe to recompute (jax.nn.silu), are saved
     # compressed and the body recomputed from them (_policy/_compressed.py).
     fmt = stash_format()
     stored = fmt is not None and _worth_storing(invals)
     stored = stored and (remat or recomputable(params[name]))
+    stored = stored and not (remat and offloads(params.get("policy"), params[name]))
     held = () if remat or stored else tuple(map(is_held, invals))
     with _state.recomputing(remat or stored):
         params[name] = rewrite_jaxpr(
@@ -272,6 +275,10 @@ def _call(eqn: Any, invals: list, ctx: AmpContext) -> Any:
         )
     if params[name] is None:
         return run_unchanged(eqn, invals, ctx)
+    if stored and remat:
+        outs = store_checkpoint(eqn, params[name], invals, fmt, ctx.compute_dtype)
+        if outs is not None:
+            return outs
     return _bind_stored(eqn.primitive, params, invals, fmt if stored else None)
 
 

@@ -1,0 +1,544 @@
+"""The optimizer's update inside the backward pass: no gradient tree.
+
+``update_in_backward(loss_fn, optimizer)`` traces the gradient of ``loss_fn``
+and the optimizer's update (``optimizer.update`` and ``optax.apply_updates``)
+to jaxprs, then evaluates the gradient's jaxpr with each transposed ``scan``
+that stacks the gradient of a stacked parameter replaced: its body computes
+one layer's cotangent as before, feeds it at once to the update of that
+layer's parameter and state (the update's jaxpr evaluated on one slice,
+``_chunked.evaluate_slice``) and writes them into the stacked parameter and
+state carried through the loop, in place (donated). The stacked gradient is
+never formed; one layer's is. Parameters the loop does not stack (the
+embedding, final norms) are updated from their gradients after the backward
+pass. Same primitives on the same elements: the result is the unfused step's,
+bit for bit (the rounding bits of ``low_precision_optimizer`` come from the
+global element index).
+
+Prior art: PyTorch's ``_apply_optimizer_in_backward`` and LOMO / AdaLomo (Lv
+et al. 2023, arXiv 2306.09782) update each parameter from a hook on its
+gradient; GaLore's per-layer weight updates (Zhao et al. 2024, arXiv
+2403.03507, section 4.4).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from .. import _compat
+from .._base._jaxpr import bind_eqn, evaluate, is_var
+from . import _chunked
+from ._low_precision import whole_leaf_updates
+from ._optax import SkipNonFiniteState
+
+_CLIP_ERROR = (
+    "update_in_backward(optimizer=...): the update of {what} reads the gradients "
+    "of other parameters (global-norm clipping such as optax.clip_by_global_norm "
+    "needs every gradient before the first layer is updated). Clip each leaf "
+    "(optax.clip, optax.adaptive_grad_clip) or use the ordinary step "
+    "(jax.grad, then optimizer.update)."
+)
+
+
+def update_in_backward(loss_fn: Callable, optimizer: Any) -> Callable:
+    """A training step whose backward pass applies the optimizer's update.
+
+    ``step = update_in_backward(loss_fn, optimizer)`` returns
+    ``step(params, opt_state, *batch) -> (params, opt_state, loss)`` with the
+    values of the ordinary step::
+
+        loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+
+    but the gradients of parameters stacked on a layers axis for ``lax.scan``
+    never exist as a tree: the transposed loop updates each layer's slice of
+    the parameter and its optimizer state as soon as the layer's cotangent is
+    ready, in place when ``params`` and ``opt_state`` are donated
+    (``jax.jit(step, donate_argnums=(0, 1))``). Other parameters are updated
+    after the backward pass. A model without a scan works (every parameter
+    is updated at the end). Run it under ``jax.jit``.
+
+    Accepted optimizers: those whose update of a parameter reads only that
+    parameter, its gradient and state, elementwise, and step scalars (SGD,
+    momentum, Adam/AdamW, Lion, schedules, weight decay masks), plain or
+    wrapped by :func:`jaxamp.low_precision_optimizer` (stochastic, Kahan or
+    nearest rounding; bfloat16 or int8 state). A stacked parameter whose update
+    is not elementwise per layer (Adafactor's factored moments, int8 blocks
+    that straddle layers) is updated after the backward pass from its
+    gradient, as in the ordinary step.
+
+    A step whose gradients are not finite is not skipped: its NaN or inf
+    reaches the parameters it touches, as with plain optax (bfloat16 has
+    float32's range: a finite float32 loss gives finite gradients).
+
+    Args:
+        loss_fn: ``loss_fn(params, *batch) -> scalar`` (e.g. ``jaxamp.amp(f,
+            compute_dtype=jnp.bfloat16)``).
+        optimizer: an optax ``GradientTransformation``.
+
+    Returns:
+        ``step(params, opt_state, *batch) -> (params, opt_state, loss)``.
+
+    Raises:
+        TypeError: if ``loss_fn`` is not callable or ``optimizer`` is not a
+            GradientTransformation.
+        ValueError (when ``step`` is traced): for an update that reads other
+            parameters' gradients (global-norm clipping), for a state of
+            :func:`jaxamp.skip_nonfinite_updates` and for float16 compute:
+            a step cannot be skipped once its first layer is updated.
+    """
+    if not callable(loss_fn):
+        raise TypeError(
+            f"update_in_backward(loss_fn): must be callable, got "
+            f"{type(loss_fn).__name__}."
+        )
+    if not isinstance(optimizer, optax.GradientTransformation):
+        raise TypeError(
+            f"update_in_backward(optimizer): must be an optax "
+            f"GradientTransformation (e.g. optax.adamw(1e-3)), got "
+            f"{type(optimizer).__name__}."
+        )
+
+    def step(params, opt_state, *batch):
+        return _step(loss_fn, optimizer, params, opt_state, batch)
+
+    return step
+
+
+@dataclasses.dataclass
+class _Fused:
+    """The stacked parameters one transposed ``scan`` updates.
+
+    Attributes:
+        eqn: the scan equation of the gradient's jaxpr.
+        leaves: parameter indices whose gradient is one of its stacked outputs.
+        ys: per leaf, the position of that output among the scan's outputs.
+        chains: per leaf, the ``convert_element_type`` equations between the
+            scan's output and the gradient.
+        states: per leaf, the optimizer state leaves updated with it.
+        forwarded: scan operand position -> (parameter index, casts): an
+            operand that is the parameter itself (or casts of it), read from
+            the carried stack instead.
+    """
+
+    eqn: Any
+    leaves: list = dataclasses.field(default_factory=list)
+    ys: list = dataclasses.field(default_factory=list)
+    chains: list = dataclasses.field(default_factory=list)
+    states: list = dataclasses.field(default_factory=list)
+    forwarded: dict = dataclasses.field(default_factory=dict)
+
+
+def _step(loss_fn, optimizer, params, opt_state, batch):
+    _refuse_skipping(opt_state)
+    p, pdef = jax.tree_util.tree_flatten(params)
+    s, sdef = jax.tree_util.tree_flatten(opt_state)
+    n_p, n_s = len(p), len(s)
+
+    def flat_grad(*leaves):
+        value, g = jax.value_and_grad(lambda q: loss_fn(q, *batch))(
+            pdef.unflatten(leaves)
+        )
+        return [value, *pdef.flatten_up_to(g)]
+
+    avals = [jax.typeof(x) for x in p]
+    grad = _compat.trace_to_closed_jaxpr(flat_grad, avals, "update_in_backward")
+    core, consts = _compat.jaxpr_parts(grad)
+    _refuse_float16(core)
+    tx = whole_leaf_updates(optimizer)
+
+    def flat_update(*leaves):
+        g, st, q = leaves[:n_p], leaves[n_p : n_p + n_s], leaves[n_p + n_s :]
+        params_ = pdef.unflatten(q)
+        updates, new_state = tx.update(pdef.unflatten(g), sdef.unflatten(st), params_)
+        new = optax.apply_updates(params_, updates)
+        return [*pdef.flatten_up_to(new), *sdef.flatten_up_to(new_state)]
+
+    g_avals = [v.aval for v in core.outvars[1:]]
+    upd = _compat.trace_to_closed_jaxpr(flat_update, g_avals + avals_of(s) + avals)
+    ucore, uconsts = _compat.jaxpr_parts(upd)
+    deps = _gradient_deps(ucore, n_p)
+    names = [
+        jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(params)
+    ]
+    groups = _fusable(core, p, deps, ucore.outvars, names, n_s)
+    outs = _run(core, consts, p, s, groups, ucore, uconsts, deps, n_p)
+    loss, new_p, new_s = outs
+    return pdef.unflatten(new_p), sdef.unflatten(new_s), loss
+
+
+def avals_of(leaves: Sequence) -> list:
+    """The avals of arrays (or tracers)."""
+    return [jax.typeof(x) for x in leaves]
+
+
+def _refuse_skipping(opt_state: Any) -> None:
+    leaves = jax.tree_util.tree_leaves(
+        opt_state, is_leaf=lambda x: isinstance(x, SkipNonFiniteState)
+    )
+    if any(isinstance(x, SkipNonFiniteState) for x in leaves):
+        raise ValueError(
+            "update_in_backward(optimizer=skip_nonfinite_updates(...)): a step "
+            "cannot be skipped once its first layer is updated. Pass the inner "
+            "optimizer (bfloat16 compute: no loss scaling), or use the ordinary "
+            "step to skip non-finite float16 steps."
+        )
+
+
+def _refuse_float16(core: Any) -> None:
+    for eqn, _ in _all_eqns(core):
+        if eqn.primitive.name == "dot_general" and any(
+            getattr(v.aval, "dtype", None) == jnp.float16 for v in eqn.invars
+        ):
+            raise ValueError(
+                "update_in_backward(loss_fn): float16 compute needs dynamic loss "
+                "scaling, whose skip of a non-finite step cannot be decided before "
+                "the first layer is updated. Use compute_dtype=jnp.bfloat16, or "
+                "the ordinary step with jaxamp.dynamic_scale_value_and_grad."
+            )
+
+
+def _all_eqns(core: Any):
+    for eqn in core.eqns:
+        yield eqn, core
+        for _, sub in _named_subs(eqn):
+            yield from _all_eqns(sub)
+
+
+def _named_subs(eqn: Any) -> list:
+    from .._base._jaxpr import named_subs
+
+    return named_subs(eqn.params)
+
+
+def _gradient_deps(ucore: Any, n_g: int) -> dict:
+    """``(path, var) -> frozenset`` of the gradient inputs (indices below
+    ``n_g``) each value of the update's jaxpr depends on, paths as
+    :func:`_chunked.evaluate_whole` records them (call bodies entered)."""
+    deps: dict = {}
+    ins = [frozenset({i}) if i < n_g else frozenset() for i in range(len(ucore.invars))]
+    _deps(ucore, ins, deps, ())
+    return deps
+
+
+def _deps(core, ins, deps, path):
+    def get(v):
+        return deps.get((path, v), frozenset()) if is_var(v) else frozenset()
+
+    for v, d in zip(core.invars, ins):
+        deps[(path, v)] = d
+    for i, eqn in enumerate(core.eqns):
+        d_in = [get(v) for v in eqn.invars]
+        sub = _chunked._callee(eqn)
+        if sub is not None:
+            j, _ = _compat.jaxpr_parts(sub)
+            outs = _deps(j, d_in, deps, path + (i,))
+        else:
+            union = frozenset().union(*d_in) if d_in else frozenset()
+            outs = [union] * len(eqn.outvars)
+        for v, d in zip(eqn.outvars, outs):
+            deps[(path, v)] = d
+    return [get(v) for v in core.outvars]
+
+
+def _param_reads(core: Any, n_p: int) -> dict:
+    """var -> (parameter index, cast equations): the parameters' input
+    variables and the ``convert_element_type`` chains of them."""
+    reads = {core.invars[k]: (k, ()) for k in range(n_p)}
+    for eqn in core.eqns:
+        if eqn.primitive.name == "convert_element_type" and is_var(eqn.invars[0]):
+            src = reads.get(eqn.invars[0])
+            if src is not None:
+                reads[eqn.outvars[0]] = (src[0], (*src[1], eqn))
+    return reads
+
+
+def _uses(core: Any) -> dict:
+    """var -> indices of the equations reading it (``-1``: an output)."""
+    uses: dict = {}
+    for i, eqn in enumerate(core.eqns):
+        for v in eqn.invars:
+            if is_var(v):
+                uses.setdefault(v, []).append(i)
+    for v in core.outvars:
+        if is_var(v):
+            uses.setdefault(v, []).append(-1)
+    return uses
+
+
+def _stacked_source(core, k, producers, uses):
+    """``(scan index, output position, casts)`` where gradient ``k`` is a
+    stacked output of a ``scan`` (through casts used once), else None."""
+    v, chain = core.outvars[1 + k], []
+    if not is_var(v) or uses.get(v) != [-1]:
+        return None
+    while v in producers:
+        i, eqn = producers[v]
+        if eqn.primitive.name == "convert_element_type":
+            chain.insert(0, eqn)
+            v = eqn.invars[0]
+            if not is_var(v) or len(uses.get(v, [])) != 1:
+                return None
+            continue
+        if eqn.primitive.name != "scan":
+            return None
+        n_carry = _compat.scan_carry_range(eqn.params)[1]
+        m = eqn.outvars.index(v)
+        return (i, m, tuple(chain)) if m >= n_carry else None
+    return None
+
+
+def _fusable(core, p, deps, uouts, names, n_s) -> dict:
+    """scan index -> :class:`_Fused`: the stacked parameters each transposed
+    loop can update in place, their state leaves and forwarded operands."""
+    n_p = len(names)
+    producers = {v: (i, e) for i, e in enumerate(core.eqns) for v in e.outvars}
+    uses, reads = _uses(core), _param_reads(core, n_p)
+    out_deps = [deps[((), v)] if is_var(v) else frozenset() for v in uouts]
+    groups: dict = {}
+    for k in range(n_p):
+        src = _stacked_source(core, k, producers, uses)
+        if src is None:
+            continue
+        i, m, chain = src
+        if out_deps[k] - {k}:
+            raise ValueError(_CLIP_ERROR.format(what=f"parameter {names[k]}"))
+        eqn = core.eqns[i]
+        if p[k].ndim < 1 or p[k].shape[0] != eqn.params["length"]:
+            continue
+        xs0 = sum(_compat.scan_carry_range(eqn.params))
+        tied = [v for v, (kk, _) in reads.items() if kk == k]
+        late = any(j > i or j == -1 for v in tied for j in uses.get(v, ()))
+        inside = [n for n, v in enumerate(eqn.invars) if v in tied]
+        if late or any(n < xs0 for n in inside):
+            continue
+        states = [j for j in range(n_s) if out_deps[n_p + j] == {k}]
+        g = groups.setdefault(i, _Fused(eqn))
+        g.leaves.append(k)
+        g.ys.append(m)
+        g.chains.append(chain)
+        g.states.append(states)
+        for n in inside:
+            g.forwarded[n] = reads[eqn.invars[n]]
+    fused = {k for g in groups.values() for k in g.leaves}
+    for m, d in enumerate(out_deps):
+        if len(d) > 1 and d & fused:
+            what = f"state leaf {m - n_p}" if m >= n_p else f"parameter {names[m]}"
+            raise ValueError(_CLIP_ERROR.format(what=what))
+    return groups
+
+
+@dataclasses.dataclass
+class _LeafUpdate:
+    """The update of one stacked parameter and its state, one layer at a time.
+
+    Attributes:
+        k: the parameter's index; ``states``: its state leaves' indices.
+        jaxpr, consts: the update's jaxpr reduced to their new values.
+        env: its whole evaluation on zero gradients (the step's scalars).
+        stacked: the layer-major shapes (parameter, gradient, state).
+        length: the layers.
+    """
+
+    k: int
+    states: list
+    jaxpr: Any
+    consts: list
+    env: dict
+    stacked: Callable
+    length: int
+
+    def slice_shape(self, shape: tuple) -> tuple:
+        return (shape[0] // self.length, *shape[1:])
+
+    def __call__(self, i, g, p, s, n_p, n_s):
+        """New slices of the parameter and its state from layer ``i``'s."""
+        args: list = [None] * (2 * n_p + n_s)
+        args[self.k], args[n_p + n_s + self.k] = g, p
+        for j, x in zip(self.states, s):
+            args[n_p + j] = x
+        out = _chunked.evaluate_slice(
+            self.jaxpr,
+            self.consts,
+            args,
+            self.env,
+            self.stacked,
+            self.slice_shape,
+            index=i,
+            length=self.length,
+        )
+        return out[0], out[1:]  # the outputs kept: the parameter, its states
+
+
+class _NoGradients(dict):
+    """An evaluation's values, refusing those that depend on gradients."""
+
+    def __init__(self, values: dict, deps: dict):
+        super().__init__(values)
+        self._deps = deps
+
+    def __getitem__(self, key):
+        if self._deps.get(key):
+            raise ValueError(_CLIP_ERROR.format(what="a stacked parameter"))
+        return super().__getitem__(key)
+
+
+def _leaf_update(ucore, uconsts, k, states, g, s, p, n_p, n_s) -> _LeafUpdate:
+    used = [m == k or (m - n_p) in states for m in range(n_p + n_s)]
+    jaxpr, _ = _compat.dce(ucore, used)
+    env: dict = {}
+    zeros = [jnp.zeros(x.shape, x.dtype) for x in g]
+    _chunked.evaluate_whole(jaxpr, uconsts, [*zeros, *s, *p], env)
+    length = p[k].shape[0]
+    shapes = {p[k].shape} | {s[j].shape for j in states}
+    return _LeafUpdate(
+        k,
+        states,
+        jaxpr,
+        uconsts,
+        _NoGradients(env, _gradient_deps(jaxpr, n_p)),
+        _chunked.is_stacked(shapes),
+        length,
+    )
+
+
+def _sliceable(upd: _LeafUpdate, g, p, s, n_p, n_s) -> bool:
+    """Whether ``upd`` evaluates on one layer (a trial trace)."""
+
+    def trial(i):
+        rows = [x[: x.shape[0] // upd.length] for x in (g, p, *s)]
+        return upd(i, rows[0], rows[1], rows[2:], n_p, n_s)
+
+    try:
+        jax.eval_shape(trial, jnp.zeros((), jnp.int32))
+    except _chunked.Unchunkable:
+        return False
+    return True
+
+
+def _run(core, consts, p, s, groups, ucore, uconsts, deps, n_p):
+    """Evaluate the gradient's jaxpr with each group's loop fused with its
+    updates, then update the other parameters; ``(loss, new p, new s)``."""
+    n_s = len(s)
+    g_avals = [v.aval for v in core.outvars[1:]]
+    zeros = [jnp.zeros(a.shape, a.dtype) for a in g_avals]
+    plans: dict = {}
+    for i, group in groups.items():
+        keep = []
+        for k, states in zip(group.leaves, group.states):
+            upd = _leaf_update(ucore, uconsts, k, states, zeros, s, p, n_p, n_s)
+            if _sliceable(upd, zeros[k], p[k], [s[j] for j in states], n_p, n_s):
+                keep.append(upd)
+        if keep:
+            plans[i] = (group, keep)
+    new: dict = {}  # leaf index in [p..., s...] -> its updated value
+    by_eqn = {id(core.eqns[i]): plan for i, plan in plans.items()}
+    skipped = {id(e) for g, _ in plans.values() for c in _kept_chains(g, _) for e in c}
+
+    def eval_eqn(eqn, invals):
+        if id(eqn) in skipped:
+            return [None]
+        plan = by_eqn.get(id(eqn))
+        if plan is None:
+            return bind_eqn(eqn, invals)
+        return _fused_scan(eqn, invals, *plan, p, s, new, n_p, n_s)
+
+    outs = evaluate(core, consts, p, eval_eqn)
+    loss, grads = outs[0], outs[1:]
+    fused = {u.k for _, keep in plans.values() for u in keep}
+    states = {n_p + j for _, keep in plans.values() for u in keep for j in u.states}
+    g_in = [zeros[k] if k in fused else grads[k] for k in range(n_p)]
+    rest = _chunked.evaluate_whole(ucore, uconsts, [*g_in, *s, *p], {})
+    outs = [
+        new.get(m, rest[m]) if (m in fused or m in states) else rest[m]
+        for m in range(n_p + n_s)
+    ]
+    return loss, outs[:n_p], outs[n_p:]
+
+
+def _kept_chains(group: _Fused, keep: list) -> list:
+    kept = {u.k for u in keep}
+    return [c for k, c in zip(group.leaves, group.chains) if k in kept]
+
+
+def _rows(a: Any, length: int) -> int:
+    return a.shape[0] // length
+
+
+def _take(a: Any, i: Any, rows: int) -> Any:
+    return _chunked.from_bits(jax.lax.dynamic_slice_in_dim(a, i * rows, rows, 0))
+
+
+def _put(a: Any, v: Any, i: Any, rows: int) -> Any:
+    return jax.lax.dynamic_update_slice_in_dim(a, _chunked.to_bits(v), i * rows, 0)
+
+
+def _fused_scan(eqn, invals, group, keep, p, s, new, n_p, n_s):
+    """The transposed ``scan`` ``eqn`` re-run with the updates of ``keep``
+    in its body; the parameters and state they update are carried (in
+    place) and written to ``new``. Returns the equation's outputs (None for
+    the gradients no longer stacked)."""
+    n_consts, n_carry = _compat.scan_carry_range(eqn.params)
+    bcore, bconsts = _compat.jaxpr_parts(eqn.params["jaxpr"])
+    length = eqn.params["length"]
+    kept = {u.k: u for u in keep}
+    fwd = {n: r for n, r in group.forwarded.items() if r[0] in kept}
+    xs0 = n_consts + n_carry
+    xs = [x for n, x in enumerate(invals[xs0:], xs0) if n not in fwd]
+    ys_of = {k: m - n_carry for k, m in zip(group.leaves, group.ys) if k in kept}
+    chain_of = dict(zip(group.leaves, group.chains))
+    leaves = [(u.k, [u.k] + [n_p + j for j in u.states]) for u in keep]
+    values = [*p, *s]
+    stacks = [[_chunked.to_bits(values[m]) for m in ms] for _, ms in leaves]
+
+    def body(carry, x):
+        c, st = carry
+        xs_sl, i = x
+        xs_it = iter(xs_sl)
+        args = [*invals[:n_consts], *c]
+        for n in range(xs0, len(invals)):
+            if n in fwd:
+                k, casts = fwd[n]
+                v = _take(st[_pos(leaves, k)][0], i, 1)[0]
+                for cast in casts:
+                    (v,) = bind_eqn(cast, [v])
+                args.append(v)
+            else:
+                args.append(next(xs_it))
+        outs = evaluate(bcore, bconsts, args, bind_eqn)
+        new_st = [list(a) for a in st]
+        for n, (k, ms) in enumerate(leaves):
+            g = outs[n_carry + ys_of[k]]
+            for cast in chain_of[k]:
+                (g,) = bind_eqn(cast, [g])
+            rows = [_rows(values[m], length) for m in ms]
+            old = [_take(a, i, r) for a, r in zip(st[n], rows)]
+            new_p, new_s = kept[k](i, g[None], old[0], old[1:], n_p, n_s)
+            for q, (v, r) in enumerate(zip([new_p, *new_s], rows)):
+                new_st[n][q] = _put(new_st[n][q], v, i, r)
+        done = {ys_of[k] for k, _ in leaves}
+        ys = [y for m, y in enumerate(outs[n_carry:]) if m not in done]
+        return (outs[:n_carry], new_st), ys
+
+    init = (list(invals[n_consts:xs0]), stacks)
+    steps = jnp.arange(length, dtype=jnp.int32)
+    (c, st), ys = jax.lax.scan(
+        body, init, (xs, steps), length=length, reverse=eqn.params["reverse"]
+    )
+    for (_, ms), arrays in zip(leaves, st):
+        for m, a in zip(ms, arrays):
+            new[m] = _chunked.from_bits(a)
+    done = {ys_of[k] for k, _ in leaves}
+    ys_it = iter(ys)
+    n_ys = len(eqn.outvars) - n_carry
+    return [*c, *(None if m in done else next(ys_it) for m in range(n_ys))]
+
+
+def _pos(leaves: list, k: int) -> int:
+    return next(n for n, (kk, _) in enumerate(leaves) if kk == k)

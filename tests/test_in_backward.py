@@ -1,0 +1,182 @@
+"""Tests of the update inside the backward pass (jaxamp/_training/_in_backward.py)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxamp
+from jaxamp import _compat
+
+BF16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
+L, D = 3, 32
+
+
+def _net(params, x):
+    """LayerNorm with a gain, a GELU MLP, layers stacked in ``lax.scan``."""
+
+    def layer(h, p):
+        mean = h.mean(-1, keepdims=True)
+        var = jnp.square(h - mean).mean(-1, keepdims=True)
+        n = (h - mean) * jax.lax.rsqrt(var + 1e-5) * p["gain"]
+        return h + jax.nn.gelu(n @ p["w1"] + p["b1"]) @ p["w2"], None
+
+    h, _ = jax.lax.scan(layer, x, params["layers"])
+    return jnp.mean(jax.nn.logsumexp(h @ params["head"], axis=-1))
+
+
+def _params(dtype):
+    k = jax.random.split(jax.random.key(0), 5)
+    params = {
+        "layers": {
+            "gain": 1.0 + 0.1 * jax.random.normal(k[0], (L, D)),
+            "w1": jax.random.normal(k[1], (L, D, 4 * D)) / D**0.5,
+            "b1": 0.1 * jax.random.normal(k[4], (L, 4 * D)),
+            "w2": jax.random.normal(k[2], (L, 4 * D, D)) / (4 * D) ** 0.5,
+        },
+        "head": jax.random.normal(k[3], (D, 8)) / D**0.5,
+    }
+    return jax.tree.map(lambda a: a.astype(dtype), params)
+
+
+def _batch(i):
+    x = 100.0 * jax.random.normal(jax.random.key(10 + i), (16, D))
+    return x.astype(jnp.bfloat16).astype(jnp.float32)  # hundreds, bf16-exact
+
+
+LOSS = jaxamp.amp(_net, compute_dtype=jnp.bfloat16)
+
+
+def _ordinary(loss, tx):
+    def step(params, state, x):
+        with jax.numpy_dtype_promotion("standard"):  # optax's Adam
+            value, grads = jax.value_and_grad(loss)(params, x)
+            updates, state = tx.update(grads, state, params)
+            return optax.apply_updates(params, updates), state, value
+
+    return step
+
+
+def _fused(loss, tx):
+    step = jaxamp.update_in_backward(loss, tx)
+
+    def run(params, state, x):
+        with jax.numpy_dtype_promotion("standard"):
+            return step(params, state, x)
+
+    return run
+
+
+def _low(**kw):
+    return jaxamp.low_precision_optimizer(optax.adamw(1e-3), **kw)
+
+
+CASES = {
+    "sgd": (lambda: optax.sgd(1e-2, momentum=0.9), F32),
+    "adamw": (lambda: optax.adamw(1e-3, weight_decay=0.1), F32),
+    "sr_bf16_state": (_low, BF16),
+    "int8_state": (lambda: _low(state_dtype="int8", min_quantized_size=512), BF16),
+    "kahan": (lambda: _low(rounding="kahan"), BF16),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_ten_steps_match_the_ordinary_step(case):
+    # The same primitives on the same elements, one layer at a time: the
+    # parameters and their state are bit-identical after 10 steps (SR's
+    # rounding bits come from the global element index; int8 blocks lie within
+    # one layer). Float32 AdamW: XLA compiles the update of the parameters left
+    # for after the backward pass (the head) a little differently when the
+    # fused loop is in the program (the same jaxpr alone gives the same bits):
+    # a few units in the last place, which then reach every parameter.
+    make, dtype = CASES[case]
+    tx = make()
+    params = _params(dtype)
+    state = tx.init(params)
+    fused, ordinary = jax.jit(_fused(LOSS, tx)), jax.jit(_ordinary(LOSS, tx))
+    a, b = (params, state), (params, state)
+    for i in range(10):
+        *a, loss_a = fused(*a, _batch(i))
+        *b, loss_b = ordinary(*b, _batch(i))
+        if case != "adamw":
+            assert float(loss_a) == float(loss_b)
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.dtype == y.dtype, path
+        if case == "adamw":
+            np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
+        else:
+            np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(path))
+
+
+def _stacked_scan_outputs(jaxpr, shapes):
+    """Per scan: the stacked outputs (ys) whose shape is a stacked weight's."""
+    out = []
+    for eqn, _ in jaxamp.iter_equations(jaxpr):
+        if eqn.primitive.name == "scan":
+            n_carry = _compat.scan_carry_range(eqn.params)[1]
+            ys = eqn.outvars[n_carry:]
+            out.append([v.aval for v in ys if v.aval.shape in shapes])
+    return out
+
+
+def test_the_stacked_gradient_never_exists():
+    tx = _low()
+    params = _params(BF16)
+    state = tx.init(params)
+    shapes = {x.shape for x in jax.tree.leaves(params["layers"]) if x.ndim == 3}
+    ordinary = jax.make_jaxpr(_ordinary(LOSS, tx))(params, state, _batch(0))
+    fused = jax.make_jaxpr(_fused(LOSS, tx))(params, state, _batch(0))
+    # The ordinary step's transposed loop stacks the weight gradients ...
+    assert any(len(s) == 2 for s in _stacked_scan_outputs(ordinary, shapes))
+    # ... the fused one carries the weights and their state instead.
+    assert all(s == [] for s in _stacked_scan_outputs(fused, shapes))
+
+
+def test_a_model_without_a_scan_is_updated_at_the_end():
+    def mlp(params, x):
+        return jnp.mean(jnp.tanh(x @ params["w"]) @ params["v"])
+
+    k = jax.random.split(jax.random.key(1), 2)
+    params = {"w": jax.random.normal(k[0], (D, D)), "v": jax.random.normal(k[1], (D,))}
+    loss = jaxamp.amp(mlp, compute_dtype=jnp.bfloat16)
+    tx = optax.adamw(1e-3)
+    state = tx.init(params)
+    a = jax.jit(_fused(loss, tx))(params, state, _batch(0))
+    b = jax.jit(_ordinary(loss, tx))(params, state, _batch(0))
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6)
+
+
+def test_nonfinite_gradients_reach_the_parameters_as_with_plain_optax():
+    # No step is skipped: a NaN in the batch makes the loss, the gradients
+    # and the updated parameters NaN, as the ordinary step without a skip.
+    tx = _low()
+    params = _params(BF16)
+    state = tx.init(params)
+    x = _batch(0).at[0, 0].set(jnp.nan)
+    a = jax.jit(_fused(LOSS, tx))(params, state, x)
+    b = jax.jit(_ordinary(LOSS, tx))(params, state, x)
+    assert bool(jnp.isnan(a[2])) and bool(jnp.isnan(b[2]))
+    for p, q in zip(jax.tree.leaves(a[0]), jax.tree.leaves(b[0])):
+        np.testing.assert_array_equal(np.isnan(np.asarray(p, F32)), np.isnan(q))
+        assert bool(jnp.isnan(p).any())
+
+
+def test_refused_configurations_name_the_argument_and_the_alternative():
+    params = _params(F32)
+    clipped = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+    with pytest.raises(ValueError, match=r"optimizer=.*clip_by_global_norm"):
+        _fused(LOSS, clipped)(params, clipped.init(params), _batch(0))
+    skip = jaxamp.skip_nonfinite_updates(optax.adamw(1e-3))
+    with pytest.raises(ValueError, match=r"skip_nonfinite_updates.*inner optimizer"):
+        _fused(LOSS, skip)(params, skip.init(params), _batch(0))
+    fp16 = jaxamp.amp(_net, compute_dtype=jnp.float16)
+    tx = optax.sgd(1e-3)
+    with pytest.raises(ValueError, match=r"float16 compute.*bfloat16"):
+        _fused(fp16, tx)(params, tx.init(params), _batch(0))
+    with pytest.raises(TypeError, match=r"update_in_backward\(optimizer\)"):
+        jaxamp.update_in_backward(LOSS, lambda g: g)
+    with pytest.raises(TypeError, match=r"update_in_backward\(loss_fn\)"):
+        jaxamp.update_in_backward(3, tx)
