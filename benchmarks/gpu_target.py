@@ -32,7 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxamp import _compat
 
-TARGETS = ("cpu", "h100")
+TARGETS = ("cpu", "h100", "local")
 
 # The GpuTargetConfigProto of an H100 SXM 80 GB (XLA's
 # xla/backends/gpu/target_config/specs/h100_sxm.txtpb without its performance
@@ -81,10 +81,12 @@ device_description_str: "NVIDIA H100 80GB HBM3"
 def available() -> str | None:
     """None when the H100 target can be compiled for, else the reason it
     cannot (the install line)."""
-    try:
-        found = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
-    except ModuleNotFoundError:  # no jax_plugins package at all
-        found = False
+    found = False
+    for plugin in ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13"):
+        try:
+            found = found or importlib.util.find_spec(plugin) is not None
+        except ModuleNotFoundError:  # no jax_plugins package at all
+            pass
     if not found:
         return (
             "the H100 target needs the CUDA plugin of this jax version: pip "
@@ -95,8 +97,9 @@ def available() -> str | None:
 
 @functools.cache
 def _sharding(target: str) -> NamedSharding:
-    if target == "cpu":
-        mesh = jax.sharding.Mesh(jax.devices("cpu")[:1], ("x",))
+    if target in ("cpu", "local"):  # this machine's CPU, or its first device
+        devices = jax.devices("cpu" if target == "cpu" else None)
+        mesh = jax.sharding.Mesh(devices[:1], ("x",))
         return NamedSharding(mesh, PartitionSpec())
     from jax.experimental import topologies
 
@@ -119,7 +122,9 @@ def compile_for(
         fn: the function to compile.
         *args: pytrees of ``jax.ShapeDtypeStruct`` (or arrays): the argument
             shapes and dtypes; placed, replicated, on one device of the target.
-        target: ``"cpu"`` (this machine's XLA:CPU) or ``"h100"`` (compile-only).
+        target: ``"cpu"`` (this machine's XLA:CPU), ``"h100"`` (compile-only)
+            or ``"local"`` (this machine's default device, e.g. a real GPU,
+            whose compile autotunes).
         donate_argnums: the arguments whose buffers the program may reuse.
 
     Returns:
@@ -141,7 +146,8 @@ def compile_for(
     jitted = jax.jit(fn, donate_argnums=tuple(donate_argnums))
     # jaxamp's backend-dependent choices (XLA:CPU's bfloat16 slices, its
     # transposed-product barrier, cuDNN attention) are the target's.
-    with _compat.target_backend("gpu" if target == "h100" else "cpu"):
+    backend = {"h100": "gpu", "cpu": "cpu"}.get(target, jax.default_backend())
+    with _compat.target_backend(backend):
         return jitted.lower(*shapes).compile()
 
 

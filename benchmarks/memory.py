@@ -216,6 +216,8 @@ class SlopeVariant:
             bfloat16 JAX when that is bfloat16).
         amp_kwargs: further keyword arguments of ``jaxamp.amp`` (e.g.
             ``residual_dtype``), as ``(name, value)`` pairs.
+        in_backward: the step is ``jaxamp.update_in_backward`` (the update
+            inside the backward pass, no gradient tree).
     """
 
     name: str
@@ -223,6 +225,7 @@ class SlopeVariant:
     optimizer: Callable
     amp: bool = True
     amp_kwargs: tuple = ()
+    in_backward: bool = False
 
 
 def _adamw():
@@ -250,12 +253,42 @@ SLOPE_VARIANTS = [
         _low(),
         amp_kwargs=(("residual_dtype", jnp.float8_e4m3fn),),
     ),
+    SlopeVariant(
+        "amp, f32 master, adamw in backward", "float32", _adamw, in_backward=True
+    ),
+    SlopeVariant(
+        "amp, bf16 params + SR, bf16 state, in backward",
+        "bfloat16",
+        _low(),
+        in_backward=True,
+    ),
+    SlopeVariant(
+        "amp, bf16 params + SR, int8 state, in backward",
+        "bfloat16",
+        _low(state_dtype="int8"),
+        in_backward=True,
+    ),
+    SlopeVariant(
+        "amp, bf16 params + SR, int8 state, E4M3 residuals, in backward",
+        "bfloat16",
+        _low(state_dtype="int8"),
+        amp_kwargs=(("residual_dtype", jnp.float8_e4m3fn),),
+        in_backward=True,
+    ),
+    SlopeVariant(
+        "amp, bf16 params + SR, int8 state, int8 residuals, in backward",
+        "bfloat16",
+        _low(state_dtype="int8"),
+        amp_kwargs=(("residual_dtype", "int8"),),
+        in_backward=True,
+    ),
 ]
 
 # --slope --targets: the table's mark of each target
 TARGET_LABELS = {
     "cpu": "XLA:CPU",
     "h100": "H100 target, compiled on CPU, no autotuning",
+    "local": "this machine's device (compiled with autotuning)",
 }
 
 # name -> (seq_len, batch_size)
@@ -322,6 +355,13 @@ def phase_peaks(
     def step(params, state, *batch):
         value, grads = jax.value_and_grad(loss)(params, *batch)
         return *update(params, state, grads), value
+
+    if v.in_backward:
+        fused = jaxamp.update_in_backward(loss, opt)
+
+        def step(params, state, *batch):  # noqa: F811
+            with jax.numpy_dtype_promotion("standard"):  # optax's Adam
+                return fused(params, state, *batch)
 
     grads = jax.eval_shape(jax.grad(loss), params, *batch)
     compile_ = lambda f, donate, *a: gpu_target.compile_for(  # noqa: E731

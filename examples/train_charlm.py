@@ -112,6 +112,11 @@ class Config:
             backward pass are stored: ``"compute"`` (amp's dtypes), ``"fp8"``
             (E4M3, one float32 scale per 128 values) or ``"int8"`` (one per 32)
             (``jaxamp.amp``'s ``residual_dtype``).
+        update_in_backward: apply AdamW inside the backward pass
+            (``jaxamp.update_in_backward``): each layer's weights and moments
+            are updated as soon as their gradient is ready, and no gradient
+            tree exists. Global-norm clipping needs every gradient first, so
+            this optimizer clips nothing; float16 (loss scaling) is refused.
     """
 
     mode: str = "all"
@@ -135,6 +140,7 @@ class Config:
     param_rounding: str = "stochastic"
     opt_state_dtype: str = "bfloat16"
     residual_dtype: str = "compute"
+    update_in_backward: bool = False
 
 
 CHOICES = {
@@ -424,6 +430,8 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
         0.0, cfg.lr, cfg.warmup, max(cfg.steps, cfg.warmup + 1), cfg.lr * 0.1
     )
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, 0.1))
+    if cfg.update_in_backward:  # clipping reads every gradient; no skip
+        tx = optax.adamw(schedule, 0.1)
     if cfg.param_dtype == "bfloat16" and cfg.param_rounding == "plain":
         return tx
     if cfg.param_dtype == "bfloat16":
@@ -434,7 +442,7 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
             state_dtype=state[cfg.opt_state_dtype],
             seed=cfg.seed,
         )
-    return jaxamp.skip_nonfinite_updates(tx)
+    return tx if cfg.update_in_backward else jaxamp.skip_nonfinite_updates(tx)
 
 
 def initial_params(cfg: Config) -> dict:
@@ -449,6 +457,8 @@ def variant_label(mode: str, cfg: Config) -> str:
     the residual storage when it is 8-bit (``"bf16, fp8 residuals"``)."""
     if cfg.residual_dtype != "compute" and MODES[mode]["compute"] is not None:
         mode = f"{mode}, {cfg.residual_dtype} residuals"
+    if cfg.update_in_backward:
+        mode = f"{mode}, update in backward"
     if cfg.param_dtype == "float32":
         return mode
     if cfg.param_rounding == "plain":
@@ -526,6 +536,8 @@ def train(
             updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, scaler, value
 
+    if cfg.update_in_backward:
+        step = _step_in_backward(loss, opt)
     eval_loss = jax.jit(loss)
     it = batches(train_data, cfg.batch_size, cfg.seq_len, cfg.seed)
     tokens_per_step = cfg.batch_size * cfg.seq_len
@@ -559,6 +571,8 @@ def train(
     grads_shape = jax.eval_shape(
         lambda p: value_and_grad(p, x0, y0, dynamic_scaler_state=scaler)[1][1], params
     )
+    if cfg.update_in_backward:  # one layer's gradient at a time, no tree
+        grads_shape = {}
     return {
         "mode": mode,
         "label": variant_label(mode, cfg),
@@ -615,6 +629,19 @@ def precision_report(mode: str, cfg: Config, params: dict, x, y) -> dict | None:
         "loss_error": report.loss_error,
         "top": report.top(5),
     }
+
+
+def _step_in_backward(loss: Callable, opt) -> Callable:
+    """The step with AdamW applied inside the backward pass, parameters and
+    state donated (updated in place, one layer at a time)."""
+    fused = jaxamp.update_in_backward(loss, opt)
+
+    def step(params, opt_state, scaler, x, y):
+        with jax.numpy_dtype_promotion("standard"):  # optax's Adam (see train)
+            params, opt_state, value = fused(params, opt_state, x, y)
+        return params, opt_state, scaler, value
+
+    return jax.jit(step, donate_argnums=(0, 1))
 
 
 def _plain_value_and_grad(loss: Callable) -> Callable:
@@ -905,6 +932,12 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if cfg.d_model % cfg.heads:
         p.error(f"--d-model {cfg.d_model} is not divisible by --heads {cfg.heads}")
+    if cfg.update_in_backward and cfg.mode in ("all", "fp16"):
+        p.error(
+            "--update-in-backward: float16 needs loss scaling, whose skip of a "
+            "non-finite step cannot follow an update made during the backward "
+            "pass; use --mode bf16 (or fp32, fp8, int8)"
+        )
 
     try:
         report = run(cfg)
