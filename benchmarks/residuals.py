@@ -13,6 +13,13 @@ own (``residual_dtype=None``) at the same compute dtype; the same with each
 scanned block under ``jax.checkpoint`` (bytes relative to float32 with the
 same checkpoint).
 
+Part 1b, the same model with each block under ``jax.checkpoint`` and a
+policy, as large models are trained: ``save_only_these_names("act")`` (the
+residual stream after attention, which the MLP's LayerNorm and matmul read,
+named with ``checkpoint_name``) and ``dots_with_no_batch_dims_saveable`` (the
+projections' outputs); bfloat16 compute; bytes and errors also relative to
+amp bfloat16's with the same checkpoint.
+
 Part 2, activation-dominated (seq >= 2048): XLA's ``memory_analysis()`` of
 the jitted ``value_and_grad`` (compile only) at two layer counts; the step's
 peak is ``argument + output - alias + temp`` bytes, the per-layer peak the
@@ -30,6 +37,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 import jaxamp
 
@@ -77,6 +85,74 @@ def part1(remat: bool) -> list[dict]:
                     "finite": finite,
                 }
             )
+    return rows
+
+
+POLICIES = {
+    'save_only_these_names("act")': jax.checkpoint_policies.save_only_these_names(
+        "act"
+    ),
+    "dots_with_no_batch_dims_saveable": (
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    ),
+}
+
+
+def checkpointed_loss(size: str, policy):
+    """``run.make_loss(size)``'s model with each scanned block under
+    ``jax.checkpoint(block, policy=policy)``; the residual stream after
+    attention is named ``"act"``."""
+    _, _, T, B, H, _ = run.SIZES[size]
+
+    def block(x, w):
+        h = run._ln(x, w["ln1"])
+        q, k, v = jnp.split(h @ w["qkv"], 3, -1)
+        sh = lambda t: t.reshape(B, T, H, -1)
+        a = jax.nn.dot_product_attention(
+            sh(q), sh(k), sh(v), is_causal=True, implementation="xla"
+        )
+        x = checkpoint_name(x + a.reshape(B, T, -1) @ w["o"], "act")
+        h = run._ln(x, w["ln2"])
+        return x + jax.nn.gelu(h @ w["up"]) @ w["down"], None
+
+    def loss(params, x, y):
+        h = params["emb"][x] + params["pos"]
+        h, _ = jax.lax.scan(jax.checkpoint(block, policy=policy), h, params["layers"])
+        logits = (run._ln(h, params["lnf"]) @ params["emb"].T).astype(jnp.float32)
+        lse = jax.nn.logsumexp(logits, -1)
+        gold = jnp.take_along_axis(logits, y[..., None], -1)[..., 0]
+        return (lse - gold).mean()
+
+    return loss
+
+
+def part1b() -> list[dict]:
+    """Blocks checkpointed with a policy: bytes and error against amp
+    bfloat16's with the same checkpoint."""
+    params, x, y = run.init("S")
+    rows = []
+    for policy_name, policy in POLICIES.items():
+        base = checkpointed_loss("S", policy)
+        f32 = jaxamp.saved_residual_bytes(base, params, x, y)
+        ref = jax.jit(jax.grad(base))(params, x, y)
+        amp = None
+        for name, stored in STORED.items():
+            loss = jaxamp.amp(base, compute_dtype=jnp.bfloat16, residual_dtype=stored)
+            grads = jax.jit(jax.grad(loss))(params, x, y)
+            row = {
+                "policy": policy_name,
+                "residuals": name,
+                "bytes": jaxamp.saved_residual_bytes(loss, params, x, y),
+                "grad_err": run._rel_l2(grads, ref),
+                "finite": all(
+                    bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads)
+                ),
+            }
+            amp = row if amp is None else amp
+            row["bytes_vs_fp32"] = row["bytes"] / f32
+            row["bytes_vs_amp"] = row["bytes"] / amp["bytes"]
+            row["err_vs_amp"] = row["grad_err"] / amp["grad_err"]
+            rows.append(row)
     return rows
 
 
@@ -130,7 +206,9 @@ def part2(layers=(2, 4)) -> list[dict]:
     return rows
 
 
-def markdown(p1: list[dict], p1_remat: list[dict], p2: list[dict], meta: str) -> str:
+def markdown(
+    p1: list[dict], p1_remat: list[dict], p1b: list[dict], p2: list[dict], meta: str
+) -> str:
     out = [
         "# Compressed residuals",
         "",
@@ -154,6 +232,22 @@ def markdown(p1: list[dict], p1_remat: list[dict], p2: list[dict], meta: str) ->
             f"| {r['compute']} | {r['residuals']} | {r['bytes_vs_fp32']:.3f}x "
             f"| {r['grad_err']:.2e} | {r['err_vs_amp']:.2f}x | {r['finite']} |"
             for r in rows
+        ]
+        out.append("")
+    if p1b:
+        out += [
+            "each block under `jax.checkpoint(block, policy=...)`, bfloat16 compute; "
+            "bytes and error also relative to amp bf16 with the same checkpoint:",
+            "",
+            "| policy | residuals | bytes vs fp32 | bytes vs amp bf16 "
+            "| grad rel. L2 err | err vs amp bf16 | finite |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        out += [
+            f"| `{r['policy']}` | {r['residuals']} | {r['bytes_vs_fp32']:.3f}x "
+            f"| {r['bytes_vs_amp']:.3f}x | {r['grad_err']:.2e} "
+            f"| {r['err_vs_amp']:.2f}x | {r['finite']} |"
+            for r in p1b
         ]
         out.append("")
     d = LONG
@@ -181,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     t0 = time.time()
     p1, p1r = ([], []) if a.only_long else (part1(False), part1(True))
+    p1b = [] if a.only_long else part1b()
     p2 = [] if a.skip_long else part2()
     flags = " --skip-long" * a.skip_long + " --only-long" * a.only_long
     meta = (
@@ -189,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         f"on {platform.processor() or platform.machine()} ({jax.default_backend()}), "
         f"JAX {jax.__version__}, {time.time() - t0:.0f} s."
     )
-    text = markdown(p1, p1r, p2, meta)
+    text = markdown(p1, p1r, p1b, p2, meta)
     print(text)
     if a.out:
         Path(a.out).write_text(text)

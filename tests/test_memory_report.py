@@ -8,8 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.ad_checkpoint import checkpoint_name
 
 import jaxamp
+from jaxamp._policy._checkpoint import KEPT, STORED_PRODUCT
 
 K = jax.random.split(jax.random.key(7), 4)
 
@@ -79,6 +81,46 @@ def test_table_and_save(args, tmp_path):
     assert [row["bytes"] for row in data["rows"]] == [row.bytes for row in r.rows]
     with open(ppath, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def checkpointed(params, x):
+    def layer(h, w):
+        a = checkpoint_name(h + jnp.tanh(h @ w) @ w.T, "act")
+        return a + jnp.tanh(a @ w) @ w.T, None
+
+    policy = jax.checkpoint_policies.save_only_these_names("act")
+    h, _ = jax.lax.scan(jax.checkpoint(layer, policy=policy), x, params["layers"])
+    return jnp.mean(h @ params["out"])
+
+
+@pytest.mark.parametrize(
+    "residual_dtype, stored, rule",
+    [(jnp.float8_e4m3fn, "bfloat16", KEPT), ("int8", "int8", STORED_PRODUCT)],
+)
+def test_checkpoint_values_with_stored_dtype_and_rule(
+    args, residual_dtype, stored, rule
+):
+    # The checkpoint saves its input h and the named "act"; both feed a
+    # matmul in the recomputed block: FP8 leaves them in bfloat16, int8
+    # stores them. The report names each, its stored dtype and the rule.
+    r = jaxamp.memory_report(
+        checkpointed, *args, residual_dtype=residual_dtype, compile=False
+    )
+    got = {c.value: (c.shape, c.dtype, c.rule) for c in r.checkpoints}
+    assert got == {
+        "input h": ((16, 64), stored, rule),
+        "name 'act'": ((16, 64), stored, rule),
+    }
+    assert all("test_memory_report.py" in c.source for c in r.checkpoints)
+    text = str(r)
+    assert "saved at jax.checkpoint boundaries" in text
+    assert text.count(rule) == 2 and "name 'act'" in text
+    assert [c["value"] for c in r.to_json()["checkpoints"]] == list(got)
+    # Their stacked saved arrays (3 layers) are in that dtype.
+    per_layer = [row for row in r.rows if row.shape == (3, 16, 64)]
+    assert sum(row.count for row in per_layer if row.dtype == stored) == 2
+    plain = jaxamp.memory_report(checkpointed, *args, compile=False)
+    assert plain.checkpoints == [] and "boundaries" not in str(plain)
 
 
 def test_bad_input(args):
