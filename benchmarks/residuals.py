@@ -18,7 +18,9 @@ policy, as large models are trained: ``save_only_these_names("act")`` (the
 residual stream after attention, which the MLP's LayerNorm and matmul read,
 named with ``checkpoint_name``) and ``dots_with_no_batch_dims_saveable`` (the
 projections' outputs); bfloat16 compute; bytes and errors also relative to
-amp bfloat16's with the same checkpoint.
+amp bfloat16's with the same checkpoint, and the whole step's peak and FLOPs
+(XLA:CPU's ``memory_analysis()`` and ``cost_analysis()`` of the jitted
+``value_and_grad``, compile only: the recomputation the policy leaves).
 
 Part 2, activation-dominated (seq >= 2048): XLA's ``memory_analysis()`` of
 the jitted ``value_and_grad`` (compile only) at two layer counts; the step's
@@ -144,6 +146,7 @@ def part1b() -> list[dict]:
                 "residuals": name,
                 "bytes": jaxamp.saved_residual_bytes(loss, params, x, y),
                 "grad_err": run._rel_l2(grads, ref),
+                **dict(zip(("peak", "flops"), compiled_stats(loss, (params, x, y)))),
                 "finite": all(
                     bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads)
                 ),
@@ -152,6 +155,7 @@ def part1b() -> list[dict]:
             row["bytes_vs_fp32"] = row["bytes"] / f32
             row["bytes_vs_amp"] = row["bytes"] / amp["bytes"]
             row["err_vs_amp"] = row["grad_err"] / amp["grad_err"]
+            row["flops_vs_amp"] = row["flops"] / amp["flops"]
             rows.append(row)
     return rows
 
@@ -166,13 +170,23 @@ def _long_loss(layers: int):
 
 def peak(loss, args) -> int:
     """Peak bytes of the jitted value_and_grad (compile only)."""
-    m = jax.jit(jax.value_and_grad(loss)).lower(*args).compile().memory_analysis()
-    return (
+    return compiled_stats(loss, args)[0]
+
+
+def compiled_stats(loss, args) -> tuple[int, float]:
+    """``(peak bytes, FLOPs)`` of the jitted value_and_grad (compile only;
+    XLA's ``memory_analysis()`` and ``cost_analysis()``)."""
+    c = jax.jit(jax.value_and_grad(loss)).lower(*args).compile()
+    m = c.memory_analysis()
+    cost = c.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    size = (
         m.argument_size_in_bytes
         + m.output_size_in_bytes
         - m.alias_size_in_bytes
         + m.temp_size_in_bytes
     )
+    return size, float(cost.get("flops", float("nan")))
 
 
 def part2(layers=(2, 4)) -> list[dict]:
@@ -240,13 +254,15 @@ def markdown(
             "bytes and error also relative to amp bf16 with the same checkpoint:",
             "",
             "| policy | residuals | bytes vs fp32 | bytes vs amp bf16 "
-            "| grad rel. L2 err | err vs amp bf16 | finite |",
-            "|---|---|---|---|---|---|---|",
+            "| grad rel. L2 err | err vs amp bf16 | finite | step peak MiB "
+            "| step FLOPs vs amp bf16 |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         out += [
             f"| `{r['policy']}` | {r['residuals']} | {r['bytes_vs_fp32']:.3f}x "
             f"| {r['bytes_vs_amp']:.3f}x | {r['grad_err']:.2e} "
-            f"| {r['err_vs_amp']:.2f}x | {r['finite']} |"
+            f"| {r['err_vs_amp']:.2f}x | {r['finite']} | {r['peak'] / 2**20:.1f} "
+            f"| {r['flops_vs_amp']:.3f}x |"
             for r in p1b
         ]
         out.append("")
