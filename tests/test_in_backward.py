@@ -180,3 +180,32 @@ def test_refused_configurations_name_the_argument_and_the_alternative():
         jaxamp.update_in_backward(LOSS, lambda g: g)
     with pytest.raises(TypeError, match=r"update_in_backward\(loss_fn\)"):
         jaxamp.update_in_backward(3, tx)
+
+
+@pytest.mark.parametrize("state", ["bfloat16", "int8"])
+def test_layers_updated_in_blocks_of_rows_give_the_same_bits(monkeypatch, state):
+    # A layer's update in blocks of rows (so that its float32 moments exist
+    # for one block at a time): the same bits as the ordinary step, int8
+    # blocks and the rounding bits' element indices included.
+    from jaxamp._training import _in_backward
+
+    monkeypatch.setattr(_in_backward, "_BLOCK", 1024)
+    plan, chunks = _in_backward._plan_leaf, []
+
+    def spy(*args):
+        upd = plan(*args)
+        chunks.append(upd.chunks)
+        return upd
+
+    monkeypatch.setattr(_in_backward, "_plan_leaf", spy)
+    tx = _low(state_dtype=state, min_quantized_size=512)
+    params = _params(BF16)
+    state0 = tx.init(params)
+    a = b = (params, state0)
+    fused, ordinary = jax.jit(_fused(LOSS, tx)), jax.jit(_ordinary(LOSS, tx))
+    for i in range(3):
+        *a, _ = fused(*a, _batch(i))
+        *b, _ = ordinary(*b, _batch(i))
+    assert max(chunks) == 4  # w1, w2: 4096 elements per layer, 4 blocks
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

@@ -110,6 +110,7 @@ def evaluate_slice(
     slice_shape: Callable[[tuple], tuple],
     index: Any = None,
     length: int | None = None,
+    offsets: Callable[[tuple], tuple] | None = None,
 ) -> list:
     """Evaluate the values of ``jaxpr`` laid out like the stacked leaves on
     one slice of them.
@@ -129,7 +130,11 @@ def evaluate_slice(
             leading axis is a multiple of ``length`` (int8 state's blocks and
             their scales), each slice being rows ``index * r`` to
             ``(index + 1) * r``.
-        length: the number of layers (see ``index``).
+        length: the number of slices of every layer-major value (see
+            ``index``): the layers, times the chunks each is cut into.
+        offsets: ``offsets(shape) -> per-axis start`` of the slice within a
+            stacked shape (for ``iota``); None: ``index * rows`` on the
+            leading axis.
 
     Returns:
         The outputs: slices where stacked, whole values from ``env`` elsewhere.
@@ -139,7 +144,7 @@ def evaluate_slice(
             elementwise primitive, a broadcast of a scalar, a call or (with
             ``index``) the layer-major steps above.
     """
-    layers = _Layers(stacked, slice_shape, index, length)
+    layers = _Layers(stacked, slice_shape, index, length, offsets)
     return _slice(jaxpr, consts, args, env, layers, ())
 
 
@@ -148,10 +153,18 @@ class _Layers:
     caller's, and those learned from layer-major steps (see
     :func:`evaluate_slice`)."""
 
-    def __init__(self, stacked, slice_shape, index, length):
+    def __init__(self, stacked, slice_shape, index, length, offsets=None):
         self._stacked, self._slice_shape = stacked, slice_shape
-        self.index, self.length = index, length
+        self.index, self.length, self._offsets = index, length, offsets
         self.learned: dict[tuple, tuple] = {}
+
+    def offsets(self, shape: tuple) -> tuple:
+        """The slice's start on each axis of ``shape``."""
+        shape = tuple(shape)
+        if self._offsets is not None and shape not in self.learned:
+            return tuple(self._offsets(shape))
+        rows = self.slice_shape(shape)[0]
+        return (self.index * rows,) + (0,) * (len(shape) - 1)
 
     def stacked(self, aval: Any) -> bool:
         shape = tuple(getattr(aval, "shape", ()) or ())
@@ -246,9 +259,9 @@ def _slice_eqn(eqn: Any, read: Callable, layers: _Layers) -> list:
         if "sharding" in params:
             params["sharding"] = None
         (out,) = _bind(eqn, [], params)
-        if params["dimension"] == 0:  # rows of this layer
-            rows = params["shape"][0]
-            out = out + (layers.index * rows).astype(out.dtype)
+        start = layers.offsets(out_shape)[params["dimension"]]
+        if not isinstance(start, int) or start:  # this slice's indices
+            out = out + jnp.asarray(start).astype(out.dtype)
         return [out]
     if not layers.stacked(first_aval):
         raise Unchunkable(f"{name} on a stacked value")

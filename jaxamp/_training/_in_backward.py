@@ -28,6 +28,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from .. import _compat
@@ -336,14 +337,17 @@ def _fusable(core, p, deps, uouts, names, n_s) -> dict:
 
 @dataclasses.dataclass
 class _LeafUpdate:
-    """The update of one stacked parameter and its state, one layer at a time.
+    """The update of one stacked parameter and its state, one slice at a time:
+    each layer cut into ``chunks`` blocks of rows (of its second axis, or of
+    the rows of a state laid out otherwise, such as int8 scales), so that the
+    float32 values of the update exist for one block at a time.
 
     Attributes:
         k: the parameter's index; ``states``: its state leaves' indices.
         jaxpr, consts: the update's jaxpr reduced to their new values.
         env: its whole evaluation on zero gradients (the step's scalars).
         stacked: the layer-major shapes (parameter, gradient, state).
-        length: the layers.
+        length: the layers; ``chunks``: the blocks per layer.
     """
 
     k: int
@@ -353,16 +357,32 @@ class _LeafUpdate:
     env: dict
     stacked: Callable
     length: int
+    chunks: int = 1
+
+    def _like_param(self, shape: tuple) -> bool:
+        return len(shape) >= 2 and shape[0] == self.length
 
     def slice_shape(self, shape: tuple) -> tuple:
-        return (shape[0] // self.length, *shape[1:])
+        """The shape of one block of a stacked ``shape``."""
+        if self._like_param(shape):
+            return (1, shape[1] // self.chunks, *shape[2:])
+        return (shape[0] // (self.length * self.chunks), *shape[1:])
 
-    def __call__(self, i, g, p, s, n_p, n_s):
-        """New slices of the parameter and its state from layer ``i``'s."""
+    def starts(self, shape: tuple, i: Any, j: Any) -> tuple:
+        """Where block ``j`` of layer ``i`` starts in a stacked ``shape``."""
+        if self._like_param(shape):
+            rows = shape[1] // self.chunks
+            return (i, j * rows) + (0,) * (len(shape) - 2)
+        rows = shape[0] // (self.length * self.chunks)
+        return ((i * self.chunks + j) * rows,) + (0,) * (len(shape) - 1)
+
+    def __call__(self, i, j, g, p, s, n_p, n_s):
+        """New blocks of the parameter and its state from block ``j`` of
+        layer ``i`` of the gradient, the parameter and the state."""
         args: list = [None] * (2 * n_p + n_s)
         args[self.k], args[n_p + n_s + self.k] = g, p
-        for j, x in zip(self.states, s):
-            args[n_p + j] = x
+        for m, x in zip(self.states, s):
+            args[n_p + m] = x
         out = _chunked.evaluate_slice(
             self.jaxpr,
             self.consts,
@@ -370,10 +390,33 @@ class _LeafUpdate:
             self.env,
             self.stacked,
             self.slice_shape,
-            index=i,
-            length=self.length,
+            index=i * self.chunks + j,
+            length=self.length * self.chunks,
+            offsets=lambda shape: self.starts(shape, i, j),
         )
         return out[0], out[1:]  # the outputs kept: the parameter, its states
+
+
+def _chunks(p_shape: tuple, s_shapes: list, length: int) -> int:
+    """Blocks per layer: the fewest that keep a block at most
+    :data:`_BLOCK` elements, dividing the parameter's second axis and the rows
+    of each state laid out otherwise (int8 scales)."""
+    if len(p_shape) < 2:
+        return 1
+    size = int(np.prod(p_shape[1:]))
+    for c in range(1, p_shape[1] + 1):
+        if p_shape[1] % c:
+            continue
+        rows_ok = all(
+            (len(sh) >= 2 and sh[0] == length) or (sh[0] // length) % c == 0
+            for sh in s_shapes
+        )
+        if rows_ok and size // c <= _BLOCK:
+            return c
+    return 1
+
+
+_BLOCK = 2**20  # elements of a parameter updated at once (4 MiB in float32)
 
 
 class _NoGradients(dict):
@@ -389,7 +432,7 @@ class _NoGradients(dict):
         return super().__getitem__(key)
 
 
-def _leaf_update(ucore, uconsts, k, states, g, s, p, n_p, n_s) -> _LeafUpdate:
+def _leaf_update(ucore, uconsts, k, states, g, s, p, n_p, n_s, chunks=1):
     used = [m == k or (m - n_p) in states for m in range(n_p + n_s)]
     jaxpr, _ = _compat.dce(ucore, used)
     env: dict = {}
@@ -405,21 +448,34 @@ def _leaf_update(ucore, uconsts, k, states, g, s, p, n_p, n_s) -> _LeafUpdate:
         _NoGradients(env, _gradient_deps(jaxpr, n_p)),
         _chunked.is_stacked(shapes),
         length,
+        chunks,
     )
 
 
 def _sliceable(upd: _LeafUpdate, g, p, s, n_p, n_s) -> bool:
-    """Whether ``upd`` evaluates on one layer (a trial trace)."""
+    """Whether ``upd`` evaluates on one block (a trial trace)."""
 
     def trial(i):
-        rows = [x[: x.shape[0] // upd.length] for x in (g, p, *s)]
-        return upd(i, rows[0], rows[1], rows[2:], n_p, n_s)
+        blocks = [jnp.zeros(upd.slice_shape(x.shape), x.dtype) for x in (g, p, *s)]
+        return upd(i, i, blocks[0], blocks[1], blocks[2:], n_p, n_s)
 
     try:
         jax.eval_shape(trial, jnp.zeros((), jnp.int32))
-    except _chunked.Unchunkable:
+    except (_chunked.Unchunkable, TypeError, ValueError) as e:
+        if isinstance(e, ValueError) and "reads the gradients" in str(e):
+            raise  # a coupled update: refused, not sliced
         return False
     return True
+
+
+def _plan_leaf(ucore, uconsts, k, states, zeros, s, p, n_p, n_s):
+    """The leaf's update in blocks, else whole layers, else None."""
+    chunks = _chunks(p[k].shape, [s[j].shape for j in states], p[k].shape[0])
+    for c in sorted({chunks, 1}, reverse=True):
+        upd = _leaf_update(ucore, uconsts, k, states, zeros, s, p, n_p, n_s, c)
+        if _sliceable(upd, zeros[k], p[k], [s[j] for j in states], n_p, n_s):
+            return upd
+    return None
 
 
 def _run(core, consts, p, s, groups, ucore, uconsts, deps, n_p):
@@ -432,8 +488,8 @@ def _run(core, consts, p, s, groups, ucore, uconsts, deps, n_p):
     for i, group in groups.items():
         keep = []
         for k, states in zip(group.leaves, group.states):
-            upd = _leaf_update(ucore, uconsts, k, states, zeros, s, p, n_p, n_s)
-            if _sliceable(upd, zeros[k], p[k], [s[j] for j in states], n_p, n_s):
+            upd = _plan_leaf(ucore, uconsts, k, states, zeros, s, p, n_p, n_s)
+            if upd is not None:
                 keep.append(upd)
         if keep:
             plans[i] = (group, keep)
@@ -467,16 +523,8 @@ def _kept_chains(group: _Fused, keep: list) -> list:
     return [c for k, c in zip(group.leaves, group.chains) if k in kept]
 
 
-def _rows(a: Any, length: int) -> int:
-    return a.shape[0] // length
-
-
 def _take(a: Any, i: Any, rows: int) -> Any:
     return _chunked.from_bits(jax.lax.dynamic_slice_in_dim(a, i * rows, rows, 0))
-
-
-def _put(a: Any, v: Any, i: Any, rows: int) -> Any:
-    return jax.lax.dynamic_update_slice_in_dim(a, _chunked.to_bits(v), i * rows, 0)
 
 
 def _fused_scan(eqn, invals, group, keep, p, s, new, n_p, n_s):
@@ -517,11 +565,8 @@ def _fused_scan(eqn, invals, group, keep, p, s, new, n_p, n_s):
             g = outs[n_carry + ys_of[k]]
             for cast in chain_of[k]:
                 (g,) = bind_eqn(cast, [g])
-            rows = [_rows(values[m], length) for m in ms]
-            old = [_take(a, i, r) for a, r in zip(st[n], rows)]
-            new_p, new_s = kept[k](i, g[None], old[0], old[1:], n_p, n_s)
-            for q, (v, r) in enumerate(zip([new_p, *new_s], rows)):
-                new_st[n][q] = _put(new_st[n][q], v, i, r)
+            shapes = [values[m].shape for m in ms]
+            new_st[n] = _update_layer(kept[k], i, g[None], st[n], shapes, n_p, n_s)
         done = {ys_of[k] for k, _ in leaves}
         ys = [y for m, y in enumerate(outs[n_carry:]) if m not in done]
         return (outs[:n_carry], new_st), ys
@@ -538,6 +583,30 @@ def _fused_scan(eqn, invals, group, keep, p, s, new, n_p, n_s):
     ys_it = iter(ys)
     n_ys = len(eqn.outvars) - n_carry
     return [*c, *(None if m in done else next(ys_it) for m in range(n_ys))]
+
+
+def _update_layer(upd: _LeafUpdate, i, g, arrays, shapes, n_p, n_s) -> list:
+    """``arrays`` (the stacked parameter and its state) with layer ``i``
+    updated from its gradient ``g``, one block of rows at a time."""
+
+    def block(j, arrays):
+        rows = g.shape[1] // upd.chunks if g.ndim >= 2 else 1
+        gj = jax.lax.dynamic_slice_in_dim(g, j * rows, rows, 1) if g.ndim >= 2 else g
+        old = [
+            _chunked.from_bits(
+                jax.lax.dynamic_slice(a, upd.starts(sh, i, j), upd.slice_shape(sh))
+            )
+            for a, sh in zip(arrays, shapes)
+        ]
+        new_p, new_s = upd(i, j, gj, old[0], old[1:], n_p, n_s)
+        return [
+            jax.lax.dynamic_update_slice(a, _chunked.to_bits(v), upd.starts(sh, i, j))
+            for a, v, sh in zip(arrays, [new_p, *new_s], shapes)
+        ]
+
+    if upd.chunks == 1:
+        return block(0, list(arrays))
+    return jax.lax.fori_loop(0, upd.chunks, block, list(arrays))
 
 
 def _pos(leaves: list, k: int) -> int:
