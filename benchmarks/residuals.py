@@ -27,11 +27,21 @@ the jitted ``value_and_grad`` (compile only) at two layer counts; the step's
 peak is ``argument + output - alias + temp`` bytes, the per-layer peak the
 slope between them (fixed costs cancel). XLA:CPU's buffer assignment stands
 in for a GPU's.
+
+Part 3 (``--gpu``), the activation-dominated regime as an H100 lays it out:
+width 256, seq 1024, batch 8, 8 heads, the per-layer peak (slope between 2
+and 4 layers) of the jitted ``value_and_grad`` compiled for XLA:CPU and for an
+H100 on this machine (``gpu_target.compile_for``: deviceless, needs the CUDA
+plugin, ``JAX_PLATFORMS=cpu``), with amp's XLA attention path
+(``attention_rule("xla")``: float32 logits and softmax) and with cuDNN
+attention (``attention_rule("cudnn")``, H100 only), each with E4M3 and int8
+residuals.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import platform
 import sys
 import time
@@ -44,6 +54,7 @@ from jax.ad_checkpoint import checkpoint_name
 import jaxamp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_target  # noqa: E402
 import run  # noqa: E402
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -220,8 +231,62 @@ def part2(layers=(2, 4)) -> list[dict]:
     return rows
 
 
+GPU = {"d": 256, "heads": 8, "seq": 1024, "batch": 8, "vocab": 256}
+
+
+def _gpu_variants() -> dict:
+    bf16 = jnp.bfloat16
+    xla, cudnn = (
+        {**jaxamp.default_amp_policy, "attention": jaxamp.attention_rule(a)}
+        for a in ("xla", "cudnn")
+    )
+    out = {"fp32": lambda f: f}
+    for attention, policy in (("", xla), (" + cuDNN", cudnn)):
+        for name, stored in (("", None), (" + E4M3", E4M3), (" + int8", "int8")):
+            out[f"amp bf16{attention}{name}"] = functools.partial(
+                jaxamp.amp, compute_dtype=bf16, amp_policy=policy, residual_dtype=stored
+            )
+    return out
+
+
+def part3(targets=("cpu", "h100"), layers=(2, 4)) -> list[dict]:
+    """Per-layer peak of the activation-dominated step per compile target."""
+    rows = []
+    for target in targets:
+        if target == "h100" and gpu_target.available() is not None:
+            print(f"part 3, h100: skipped ({gpu_target.available()})", file=sys.stderr)
+            continue
+        for name, wrap in _gpu_variants().items():
+            if "cuDNN" in name and target != "h100":
+                continue  # cuDNN attention runs on an NVIDIA GPU only
+            peaks = []
+            for n in layers:
+                sizes = {"gpu": (GPU["d"], n, GPU["seq"], GPU["batch"], GPU["heads"])}
+                sizes["gpu"] += (GPU["vocab"],)
+                run.SIZES.update(sizes)
+                loss, args = wrap(run.make_loss("gpu")), run.init("gpu", sizes=sizes)
+                step = jax.value_and_grad(loss)
+                compiled = gpu_target.compile_for(step, *args, target=target)
+                peaks.append(gpu_target.peak_bytes(compiled))
+            slope = (peaks[1] - peaks[0]) / (layers[1] - layers[0])
+            rows.append({"target": target, "variant": name, "per_layer": slope})
+    for r in rows:
+        same = {
+            x["variant"]: x["per_layer"] for x in rows if x["target"] == r["target"]
+        }
+        base = "amp bf16 + cuDNN" if "cuDNN" in r["variant"] else "amp bf16"
+        r["vs_amp"] = r["per_layer"] / same["amp bf16"]
+        r["vs_base"] = r["per_layer"] / same[base]
+    return rows
+
+
 def markdown(
-    p1: list[dict], p1_remat: list[dict], p1b: list[dict], p2: list[dict], meta: str
+    p1: list[dict],
+    p1_remat: list[dict],
+    p1b: list[dict],
+    p2: list[dict],
+    meta: str,
+    p3: list[dict] = (),
 ) -> str:
     out = [
         "# Compressed residuals",
@@ -280,6 +345,22 @@ def markdown(
         f"| {r['residual_per_layer'] / 2**20:.1f} |"
         for r in p2
     ]
+    if p3:
+        g = GPU
+        out += [
+            "",
+            f"## Activation-dominated per compile target: width {g['d']}, seq "
+            f"{g['seq']}, batch {g['batch']}, {g['heads']} heads (compile only)",
+            "",
+            "| target | variant | per-layer peak MiB | vs amp bf16 "
+            "| vs the same attention without compressed residuals |",
+            "|---|---|---|---|---|",
+        ]
+        out += [
+            f"| {r['target']} | {r['variant']} | {r['per_layer'] / 2**20:.1f} "
+            f"| {r['vs_amp']:.2f}x | {r['vs_base']:.2f}x |"
+            for r in p3
+        ]
     return "\n".join(out) + "\n"
 
 
@@ -288,19 +369,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="write the markdown table here")
     p.add_argument("--skip-long", action="store_true", help="part 1 only")
     p.add_argument("--only-long", action="store_true", help="part 2 only")
+    p.add_argument(
+        "--gpu",
+        action="store_true",
+        help="part 3 only: the activation-dominated step compiled for XLA:CPU and "
+        "an H100 (run with JAX_PLATFORMS=cpu and the CUDA plugin installed)",
+    )
     a = p.parse_args(argv)
     t0 = time.time()
-    p1, p1r = ([], []) if a.only_long else (part1(False), part1(True))
-    p1b = [] if a.only_long else part1b()
-    p2 = [] if a.skip_long else part2()
+    part1_off = a.only_long or a.gpu
+    p1, p1r = ([], []) if part1_off else (part1(False), part1(True))
+    p1b = [] if part1_off else part1b()
+    p2 = [] if a.skip_long or a.gpu else part2()
+    p3 = part3() if a.gpu else []
     flags = " --skip-long" * a.skip_long + " --only-long" * a.only_long
+    flags += " --gpu" * a.gpu
     meta = (
         "`python benchmarks/residuals.py --out benchmarks/RESULTS_RESIDUALS.md"
         f"{flags}` "
         f"on {platform.processor() or platform.machine()} ({jax.default_backend()}), "
         f"JAX {jax.__version__}, {time.time() - t0:.0f} s."
     )
-    text = markdown(p1, p1r, p1b, p2, meta)
+    text = markdown(p1, p1r, p1b, p2, meta, p3)
     print(text)
     if a.out:
         Path(a.out).write_text(text)
