@@ -164,8 +164,8 @@ def _collect(core: Any, consts: list, args: list, policy: Any, found: list) -> l
             outs = _collect(inner, inner_consts, invals, policy, found)
         else:
             outs = bind_eqn(eqn, invals)
-            if _case(policy, eqn) == "save":
-                found.extend((eqn, x) for x in outs)
+            if _case(policy, eqn) == "save":  # (integers are recomputed)
+                found.extend((eqn, x) for x in outs if is_float(x.dtype))
         env.update(zip(eqn.outvars, outs))
     return [read(env, v) for v in core.outvars]
 
