@@ -416,7 +416,7 @@ def _chunks(p_shape: tuple, s_shapes: list, length: int) -> int:
     return 1
 
 
-_BLOCK = 2**20  # elements of a parameter updated at once (4 MiB in float32)
+_BLOCK = 2**19  # elements of a parameter updated at once (2 MiB in float32)
 
 
 class _NoGradients(dict):
