@@ -7,6 +7,7 @@ numerically fragile operations stay in float32. Loss scaling and optax
 integration complete the training story.
 """
 
+from . import _compat
 from . import compat as compat
 from ._amp import amp as amp
 from ._amp import amp_stop as amp_stop
@@ -109,6 +110,8 @@ __version__ = "0.1.0"
 # The core names. The jmp, mpx and Haliax names imported above stay importable
 # from ``jaxamp`` for code written against it; their home is
 # ``jaxamp.compat.{jmp,mpx,haliax}``.
+_compat.warn_untested_jax()  # once, at import: a JAX newer than tested
+
 __all__ = (
     "AttentionRule",
     "CarryRule",

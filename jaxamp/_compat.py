@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -443,3 +444,33 @@ def _attention_state() -> Any:
 
 
 ATTENTION_INTERCEPT = _attention_state()
+
+
+TESTED_JAX = ((0, 10), (0, 11))  # the JAX minor versions the project is tested on
+
+
+def warn_untested_jax(version: str | None = None) -> bool:
+    """Warn once (``UserWarning``) when JAX is newer than :data:`TESTED_JAX`:
+    jaxamp reads JAX's jaxprs and private internals, which change between
+    minor versions. Returns whether it warned.
+
+    Args:
+        version: a JAX version string; None: the installed one.
+    """
+    version = version or jax.__version__
+    parts = version.split(".")
+    try:
+        minor = (int(parts[0]), int(parts[1]))
+    except (IndexError, ValueError):
+        return False
+    if minor <= max(TESTED_JAX):
+        return False
+    tested = " and ".join(f"{a}.{b}" for a, b in TESTED_JAX)
+    warnings.warn(
+        f"jaxamp is tested with JAX {tested}; JAX {version} is newer. If amp "
+        "fails or a jaxpr looks wrong, report it with the JAX version at "
+        "https://github.com/jaxamp/jaxamp/issues.",
+        UserWarning,
+        stacklevel=3,
+    )
+    return True

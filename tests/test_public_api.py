@@ -6,6 +6,8 @@ import pydoc
 import typing
 from pathlib import Path
 
+import pytest
+
 import jaxamp
 
 
@@ -92,3 +94,15 @@ def test_amp_help_shows_the_example_early():
     example = next(i for i, line in enumerate(text) if line.strip() == "Example:")
     assert example < 40
     assert ">>> f = jaxamp.amp(" in "\n".join(text[example : example + 6])
+
+
+def test_a_jax_newer_than_tested_warns_naming_the_tested_versions():
+    # pyproject.toml sets no upper bound on jax (as equinox, optax and flax);
+    # import jaxamp warns once on a newer minor version instead.
+    from jaxamp import _compat
+
+    assert not _compat.warn_untested_jax("0.10.2")
+    assert not _compat.warn_untested_jax("0.11.9")
+    with pytest.warns(UserWarning, match=r"tested with JAX 0\.10 and 0\.11.*0\.12\.0"):
+        assert _compat.warn_untested_jax("0.12.0")
+    assert not _compat.warn_untested_jax("dev")
