@@ -1,4 +1,5 @@
-"""Tests of the update inside the backward pass (jaxamp/_training/_in_backward.py)."""
+"""Tests of the update inside the backward pass (jaxamp/_training/_in_backward.py
+and _layer_update.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -187,17 +188,17 @@ def test_layers_updated_in_blocks_of_rows_give_the_same_bits(monkeypatch, state)
     # A layer's update in blocks of rows (so that its float32 moments exist
     # for one block at a time): the same bits as the ordinary step, int8
     # blocks and the rounding bits' element indices included.
-    from jaxamp._training import _in_backward
+    from jaxamp._training import _in_backward, _layer_update
 
-    monkeypatch.setattr(_in_backward, "_BLOCK", 1024)
-    plan, chunks = _in_backward._plan_leaf, []
+    monkeypatch.setattr(_layer_update, "_BLOCK", 1024)
+    plan, chunks = _in_backward.plan_leaf, []
 
     def spy(*args):
         upd = plan(*args)
         chunks.append(upd.chunks)
         return upd
 
-    monkeypatch.setattr(_in_backward, "_plan_leaf", spy)
+    monkeypatch.setattr(_in_backward, "plan_leaf", spy)
     tx = _low(state_dtype=state, min_quantized_size=512)
     params = _params(BF16)
     state0 = tx.init(params)

@@ -22,28 +22,25 @@ gradient; GaLore's per-layer weight updates (Zhao et al. 2024, arXiv
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from .. import _compat
 from .._base._jaxpr import bind_eqn, evaluate, is_var
 from . import _chunked
+from ._layer_update import (
+    CLIP_ERROR,
+    Fused,
+    fused_scan,
+    gradient_deps,
+    plan_leaf,
+)
 from ._low_precision import whole_leaf_updates
 from ._optax import SkipNonFiniteState
-
-_CLIP_ERROR = (
-    "update_in_backward(optimizer=...): the update of {what} reads the gradients "
-    "of other parameters (global-norm clipping such as optax.clip_by_global_norm "
-    "needs every gradient before the first layer is updated). Clip each leaf "
-    "(optax.clip, optax.adaptive_grad_clip) or use the ordinary step "
-    "(jax.grad, then optimizer.update)."
-)
 
 
 def update_in_backward(loss_fn: Callable, optimizer: Any) -> Callable:
@@ -112,30 +109,6 @@ def update_in_backward(loss_fn: Callable, optimizer: Any) -> Callable:
     return step
 
 
-@dataclasses.dataclass
-class _Fused:
-    """The stacked parameters one transposed ``scan`` updates.
-
-    Attributes:
-        eqn: the scan equation of the gradient's jaxpr.
-        leaves: parameter indices whose gradient is one of its stacked outputs.
-        ys: per leaf, the position of that output among the scan's outputs.
-        chains: per leaf, the ``convert_element_type`` equations between the
-            scan's output and the gradient.
-        states: per leaf, the optimizer state leaves updated with it.
-        forwarded: scan operand position -> (parameter index, casts): an
-            operand that is the parameter itself (or casts of it), read from
-            the carried stack instead.
-    """
-
-    eqn: Any
-    leaves: list = dataclasses.field(default_factory=list)
-    ys: list = dataclasses.field(default_factory=list)
-    chains: list = dataclasses.field(default_factory=list)
-    states: list = dataclasses.field(default_factory=list)
-    forwarded: dict = dataclasses.field(default_factory=dict)
-
-
 def _step(loss_fn, optimizer, params, opt_state, batch):
     _refuse_skipping(opt_state)
     p, pdef = jax.tree_util.tree_flatten(params)
@@ -164,7 +137,7 @@ def _step(loss_fn, optimizer, params, opt_state, batch):
     g_avals = [v.aval for v in core.outvars[1:]]
     upd = _compat.trace_to_closed_jaxpr(flat_update, g_avals + avals_of(s) + avals)
     ucore, uconsts = _compat.jaxpr_parts(upd)
-    deps = _gradient_deps(ucore, n_p)
+    deps = gradient_deps(ucore, n_p)
     names = [
         jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(params)
     ]
@@ -218,36 +191,6 @@ def _named_subs(eqn: Any) -> list:
     return named_subs(eqn.params)
 
 
-def _gradient_deps(ucore: Any, n_g: int) -> dict:
-    """``(path, var) -> frozenset`` of the gradient inputs (indices below
-    ``n_g``) each value of the update's jaxpr depends on, paths as
-    :func:`_chunked.evaluate_whole` records them (call bodies entered)."""
-    deps: dict = {}
-    ins = [frozenset({i}) if i < n_g else frozenset() for i in range(len(ucore.invars))]
-    _deps(ucore, ins, deps, ())
-    return deps
-
-
-def _deps(core, ins, deps, path):
-    def get(v):
-        return deps.get((path, v), frozenset()) if is_var(v) else frozenset()
-
-    for v, d in zip(core.invars, ins):
-        deps[(path, v)] = d
-    for i, eqn in enumerate(core.eqns):
-        d_in = [get(v) for v in eqn.invars]
-        sub = _chunked._callee(eqn)
-        if sub is not None:
-            j, _ = _compat.jaxpr_parts(sub)
-            outs = _deps(j, d_in, deps, path + (i,))
-        else:
-            union = frozenset().union(*d_in) if d_in else frozenset()
-            outs = [union] * len(eqn.outvars)
-        for v, d in zip(eqn.outvars, outs):
-            deps[(path, v)] = d
-    return [get(v) for v in core.outvars]
-
-
 def _param_reads(core: Any, n_p: int) -> dict:
     """var -> (parameter index, cast equations): the parameters' input
     variables and the ``convert_element_type`` chains of them."""
@@ -296,7 +239,7 @@ def _stacked_source(core, k, producers, uses):
 
 
 def _fusable(core, p, deps, uouts, names, n_s) -> dict:
-    """scan index -> :class:`_Fused`: the stacked parameters each transposed
+    """scan index -> :class:`Fused`: the stacked parameters each transposed
     loop can update in place, their state leaves and forwarded operands."""
     n_p = len(names)
     producers = {v: (i, e) for i, e in enumerate(core.eqns) for v in e.outvars}
@@ -309,7 +252,7 @@ def _fusable(core, p, deps, uouts, names, n_s) -> dict:
             continue
         i, m, chain = src
         if out_deps[k] - {k}:
-            raise ValueError(_CLIP_ERROR.format(what=f"parameter {names[k]}"))
+            raise ValueError(CLIP_ERROR.format(what=f"parameter {names[k]}"))
         eqn = core.eqns[i]
         if p[k].ndim < 1 or p[k].shape[0] != eqn.params["length"]:
             continue
@@ -320,7 +263,7 @@ def _fusable(core, p, deps, uouts, names, n_s) -> dict:
         if late or any(n < xs0 for n in inside):
             continue
         states = [j for j in range(n_s) if out_deps[n_p + j] == {k}]
-        g = groups.setdefault(i, _Fused(eqn))
+        g = groups.setdefault(i, Fused(eqn))
         g.leaves.append(k)
         g.ys.append(m)
         g.chains.append(chain)
@@ -331,151 +274,8 @@ def _fusable(core, p, deps, uouts, names, n_s) -> dict:
     for m, d in enumerate(out_deps):
         if len(d) > 1 and d & fused:
             what = f"state leaf {m - n_p}" if m >= n_p else f"parameter {names[m]}"
-            raise ValueError(_CLIP_ERROR.format(what=what))
+            raise ValueError(CLIP_ERROR.format(what=what))
     return groups
-
-
-@dataclasses.dataclass
-class _LeafUpdate:
-    """The update of one stacked parameter and its state, one slice at a time:
-    each layer cut into ``chunks`` blocks of rows (of its second axis, or of
-    the rows of a state laid out otherwise, such as int8 scales), so that the
-    float32 values of the update exist for one block at a time.
-
-    Attributes:
-        k: the parameter's index; ``states``: its state leaves' indices.
-        jaxpr, consts: the update's jaxpr reduced to their new values.
-        env: its whole evaluation on zero gradients (the step's scalars).
-        stacked: the layer-major shapes (parameter, gradient, state).
-        length: the layers; ``chunks``: the blocks per layer.
-    """
-
-    k: int
-    states: list
-    jaxpr: Any
-    consts: list
-    env: dict
-    stacked: Callable
-    length: int
-    chunks: int = 1
-
-    def _like_param(self, shape: tuple) -> bool:
-        return len(shape) >= 2 and shape[0] == self.length
-
-    def slice_shape(self, shape: tuple) -> tuple:
-        """The shape of one block of a stacked ``shape``."""
-        if self._like_param(shape):
-            return (1, shape[1] // self.chunks, *shape[2:])
-        return (shape[0] // (self.length * self.chunks), *shape[1:])
-
-    def starts(self, shape: tuple, i: Any, j: Any) -> tuple:
-        """Where block ``j`` of layer ``i`` starts in a stacked ``shape``."""
-        if self._like_param(shape):
-            rows = shape[1] // self.chunks
-            return (i, j * rows) + (0,) * (len(shape) - 2)
-        rows = shape[0] // (self.length * self.chunks)
-        return ((i * self.chunks + j) * rows,) + (0,) * (len(shape) - 1)
-
-    def __call__(self, i, j, g, p, s, n_p, n_s):
-        """New blocks of the parameter and its state from block ``j`` of
-        layer ``i`` of the gradient, the parameter and the state."""
-        args: list = [None] * (2 * n_p + n_s)
-        args[self.k], args[n_p + n_s + self.k] = g, p
-        for m, x in zip(self.states, s):
-            args[n_p + m] = x
-        out = _chunked.evaluate_slice(
-            self.jaxpr,
-            self.consts,
-            args,
-            self.env,
-            self.stacked,
-            self.slice_shape,
-            index=i * self.chunks + j,
-            length=self.length * self.chunks,
-            offsets=lambda shape: self.starts(shape, i, j),
-        )
-        return out[0], out[1:]  # the outputs kept: the parameter, its states
-
-
-def _chunks(p_shape: tuple, s_shapes: list, length: int) -> int:
-    """Blocks per layer: the fewest that keep a block at most
-    :data:`_BLOCK` elements, dividing the parameter's second axis and the rows
-    of each state laid out otherwise (int8 scales)."""
-    if len(p_shape) < 2:
-        return 1
-    size = int(np.prod(p_shape[1:]))
-    for c in range(1, p_shape[1] + 1):
-        if p_shape[1] % c:
-            continue
-        rows_ok = all(
-            (len(sh) >= 2 and sh[0] == length) or (sh[0] // length) % c == 0
-            for sh in s_shapes
-        )
-        if rows_ok and size // c <= _BLOCK:
-            return c
-    return 1
-
-
-_BLOCK = 2**19  # elements of a parameter updated at once (2 MiB in float32)
-
-
-class _NoGradients(dict):
-    """An evaluation's values, refusing those that depend on gradients."""
-
-    def __init__(self, values: dict, deps: dict):
-        super().__init__(values)
-        self._deps = deps
-
-    def __getitem__(self, key):
-        if self._deps.get(key):
-            raise ValueError(_CLIP_ERROR.format(what="a stacked parameter"))
-        return super().__getitem__(key)
-
-
-def _leaf_update(ucore, uconsts, k, states, g, s, p, n_p, n_s, chunks=1):
-    used = [m == k or (m - n_p) in states for m in range(n_p + n_s)]
-    jaxpr, _ = _compat.dce(ucore, used)
-    env: dict = {}
-    zeros = [jnp.zeros(x.shape, x.dtype) for x in g]
-    _chunked.evaluate_whole(jaxpr, uconsts, [*zeros, *s, *p], env)
-    length = p[k].shape[0]
-    shapes = {p[k].shape} | {s[j].shape for j in states}
-    return _LeafUpdate(
-        k,
-        states,
-        jaxpr,
-        uconsts,
-        _NoGradients(env, _gradient_deps(jaxpr, n_p)),
-        _chunked.is_stacked(shapes),
-        length,
-        chunks,
-    )
-
-
-def _sliceable(upd: _LeafUpdate, g, p, s, n_p, n_s) -> bool:
-    """Whether ``upd`` evaluates on one block (a trial trace)."""
-
-    def trial(i):
-        blocks = [jnp.zeros(upd.slice_shape(x.shape), x.dtype) for x in (g, p, *s)]
-        return upd(i, i, blocks[0], blocks[1], blocks[2:], n_p, n_s)
-
-    try:
-        jax.eval_shape(trial, jnp.zeros((), jnp.int32))
-    except (_chunked.Unchunkable, TypeError, ValueError) as e:
-        if isinstance(e, ValueError) and "reads the gradients" in str(e):
-            raise  # a coupled update: refused, not sliced
-        return False
-    return True
-
-
-def _plan_leaf(ucore, uconsts, k, states, zeros, s, p, n_p, n_s):
-    """The leaf's update in blocks, else whole layers, else None."""
-    chunks = _chunks(p[k].shape, [s[j].shape for j in states], p[k].shape[0])
-    for c in sorted({chunks, 1}, reverse=True):
-        upd = _leaf_update(ucore, uconsts, k, states, zeros, s, p, n_p, n_s, c)
-        if _sliceable(upd, zeros[k], p[k], [s[j] for j in states], n_p, n_s):
-            return upd
-    return None
 
 
 def _run(core, consts, p, s, groups, ucore, uconsts, deps, n_p):
@@ -488,7 +288,7 @@ def _run(core, consts, p, s, groups, ucore, uconsts, deps, n_p):
     for i, group in groups.items():
         keep = []
         for k, states in zip(group.leaves, group.states):
-            upd = _plan_leaf(ucore, uconsts, k, states, zeros, s, p, n_p, n_s)
+            upd = plan_leaf(ucore, uconsts, k, states, zeros, s, p, n_p, n_s)
             if upd is not None:
                 keep.append(upd)
         if keep:
@@ -503,7 +303,7 @@ def _run(core, consts, p, s, groups, ucore, uconsts, deps, n_p):
         plan = by_eqn.get(id(eqn))
         if plan is None:
             return bind_eqn(eqn, invals)
-        return _fused_scan(eqn, invals, *plan, p, s, new, n_p, n_s)
+        return fused_scan(eqn, invals, *plan, p, s, new, n_p, n_s)
 
     outs = evaluate(core, consts, p, eval_eqn)
     loss, grads = outs[0], outs[1:]
@@ -518,96 +318,6 @@ def _run(core, consts, p, s, groups, ucore, uconsts, deps, n_p):
     return loss, outs[:n_p], outs[n_p:]
 
 
-def _kept_chains(group: _Fused, keep: list) -> list:
+def _kept_chains(group: Fused, keep: list) -> list:
     kept = {u.k for u in keep}
     return [c for k, c in zip(group.leaves, group.chains) if k in kept]
-
-
-def _take(a: Any, i: Any, rows: int) -> Any:
-    return _chunked.from_bits(jax.lax.dynamic_slice_in_dim(a, i * rows, rows, 0))
-
-
-def _fused_scan(eqn, invals, group, keep, p, s, new, n_p, n_s):
-    """The transposed ``scan`` ``eqn`` re-run with the updates of ``keep``
-    in its body; the parameters and state they update are carried (in
-    place) and written to ``new``. Returns the equation's outputs (None for
-    the gradients no longer stacked)."""
-    n_consts, n_carry = _compat.scan_carry_range(eqn.params)
-    bcore, bconsts = _compat.jaxpr_parts(eqn.params["jaxpr"])
-    length = eqn.params["length"]
-    kept = {u.k: u for u in keep}
-    fwd = {n: r for n, r in group.forwarded.items() if r[0] in kept}
-    xs0 = n_consts + n_carry
-    xs = [x for n, x in enumerate(invals[xs0:], xs0) if n not in fwd]
-    ys_of = {k: m - n_carry for k, m in zip(group.leaves, group.ys) if k in kept}
-    chain_of = dict(zip(group.leaves, group.chains))
-    leaves = [(u.k, [u.k] + [n_p + j for j in u.states]) for u in keep]
-    values = [*p, *s]
-    stacks = [[_chunked.to_bits(values[m]) for m in ms] for _, ms in leaves]
-
-    def body(carry, x):
-        c, st = carry
-        xs_sl, i = x
-        xs_it = iter(xs_sl)
-        args = [*invals[:n_consts], *c]
-        for n in range(xs0, len(invals)):
-            if n in fwd:
-                k, casts = fwd[n]
-                v = _take(st[_pos(leaves, k)][0], i, 1)[0]
-                for cast in casts:
-                    (v,) = bind_eqn(cast, [v])
-                args.append(v)
-            else:
-                args.append(next(xs_it))
-        outs = evaluate(bcore, bconsts, args, bind_eqn)
-        new_st = [list(a) for a in st]
-        for n, (k, ms) in enumerate(leaves):
-            g = outs[n_carry + ys_of[k]]
-            for cast in chain_of[k]:
-                (g,) = bind_eqn(cast, [g])
-            shapes = [values[m].shape for m in ms]
-            new_st[n] = _update_layer(kept[k], i, g[None], st[n], shapes, n_p, n_s)
-        done = {ys_of[k] for k, _ in leaves}
-        ys = [y for m, y in enumerate(outs[n_carry:]) if m not in done]
-        return (outs[:n_carry], new_st), ys
-
-    init = (list(invals[n_consts:xs0]), stacks)
-    steps = jnp.arange(length, dtype=jnp.int32)
-    (c, st), ys = jax.lax.scan(
-        body, init, (xs, steps), length=length, reverse=eqn.params["reverse"]
-    )
-    for (_, ms), arrays in zip(leaves, st):
-        for m, a in zip(ms, arrays):
-            new[m] = _chunked.from_bits(a)
-    done = {ys_of[k] for k, _ in leaves}
-    ys_it = iter(ys)
-    n_ys = len(eqn.outvars) - n_carry
-    return [*c, *(None if m in done else next(ys_it) for m in range(n_ys))]
-
-
-def _update_layer(upd: _LeafUpdate, i, g, arrays, shapes, n_p, n_s) -> list:
-    """``arrays`` (the stacked parameter and its state) with layer ``i``
-    updated from its gradient ``g``, one block of rows at a time."""
-
-    def block(j, arrays):
-        rows = g.shape[1] // upd.chunks if g.ndim >= 2 else 1
-        gj = jax.lax.dynamic_slice_in_dim(g, j * rows, rows, 1) if g.ndim >= 2 else g
-        old = [
-            _chunked.from_bits(
-                jax.lax.dynamic_slice(a, upd.starts(sh, i, j), upd.slice_shape(sh))
-            )
-            for a, sh in zip(arrays, shapes)
-        ]
-        new_p, new_s = upd(i, j, gj, old[0], old[1:], n_p, n_s)
-        return [
-            jax.lax.dynamic_update_slice(a, _chunked.to_bits(v), upd.starts(sh, i, j))
-            for a, v, sh in zip(arrays, [new_p, *new_s], shapes)
-        ]
-
-    if upd.chunks == 1:
-        return block(0, list(arrays))
-    return jax.lax.fori_loop(0, upd.chunks, block, list(arrays))
-
-
-def _pos(leaves: list, k: int) -> int:
-    return next(n for n, (kk, _) in enumerate(leaves) if kk == k)
