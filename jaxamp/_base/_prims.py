@@ -9,3 +9,17 @@ from __future__ import annotations
 # Matmul-like primitives: the "lower" family of the default policy, the ones
 # whose held inputs are re-cast in the backward pass.
 MATMULS = ("dot_general", "conv_general_dilated", "ragged_dot_general")
+
+# Cheap elementwise primitives whose value, recomputed from a rounded input, is
+# as close as the input (no exponential, no choice): arithmetic, roots, cheap
+# odd functions and casts.
+CHEAP_ELEMENTWISE = frozenset(
+    """abs add convert_element_type cos div erf integer_pow mul neg rsqrt sin sqrt
+    square sub tanh""".split()
+)
+
+# Primitives that move data without changing values (and the identity ones).
+DATA_MOVEMENT = frozenset(
+    """broadcast_in_dim concatenate copy copy_p dynamic_slice expand_dims pad
+    reshape slice squeeze transpose""".split()
+)

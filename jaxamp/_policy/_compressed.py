@@ -26,7 +26,7 @@ from .. import _compat
 from .._base import _state
 from .._base._cast import cast_cache
 from .._base._dtypes import is_float
-from .._base._prims import MATMULS
+from .._base._prims import CHEAP_ELEMENTWISE, MATMULS
 from ._stash import Format, compressible, decode, encode
 
 
@@ -71,25 +71,7 @@ def bind_compressed(call: Any, invals: Sequence[Any], fmt: Format) -> Any:
 # is as close as the input (no exponential, no choice): a chain of them from
 # one activation (a GELU: cube, scale, tanh, cdf, product) is stored as that
 # activation alone and recomputed from its code in the backward pass.
-_ELEMENTWISE = frozenset(
-    {
-        "add",
-        "sub",
-        "mul",
-        "div",
-        "neg",
-        "integer_pow",
-        "square",
-        "tanh",
-        "erf",
-        "sqrt",
-        "rsqrt",
-        "abs",
-        "sin",
-        "cos",
-        "convert_element_type",
-    }
-)
+_ELEMENTWISE = CHEAP_ELEMENTWISE
 
 
 def _elementwise_root(invals: Sequence[Any]) -> Any:

@@ -81,7 +81,7 @@ from typing import Any
 
 from .._base import _state
 from .._base._jaxpr import is_var, named_subs
-from .._base._prims import MATMULS
+from .._base._prims import DATA_MOVEMENT, MATMULS
 from .._base._structure import Structure, SubJaxpr, call_body, describe
 from ._patterns import (
     COLLECTIVE_SUMS,
@@ -96,31 +96,9 @@ ALL = REACH  # conservative bits for an output whose consumers are unknown
 
 # Ops through which a value still "is" the logits of a softmax (WIDE) or the terms
 # of a sum (SUM): scaling, masking, shifting and moving data around.
-_PASS = frozenset(
-    {
-        "add",
-        "sub",
-        "mul",
-        "div",
-        "neg",
-        "max",
-        "min",
-        "select_n",
-        "convert_element_type",
-        "reduce_precision",
-        "copy",
-        "copy_p",
-        "reshape",
-        "transpose",
-        "broadcast_in_dim",
-        "squeeze",
-        "expand_dims",
-        "slice",
-        "dynamic_slice",
-        "concatenate",
-        "pad",
-        "stop_gradient",
-    }
+_PASS = DATA_MOVEMENT | frozenset(
+    """add sub mul div neg max min select_n convert_element_type reduce_precision
+    stop_gradient""".split()
 )
 # Where a value needs its float32 digits: a softmax's exp, linear algebra.
 _WIDE_USES = frozenset(

@@ -30,54 +30,20 @@ from collections.abc import Mapping
 from typing import Any
 
 from .._base._jaxpr import is_var, named_subs
-from .._base._prims import MATMULS
+from .._base._prims import CHEAP_ELEMENTWISE, DATA_MOVEMENT, MATMULS
 from .._base._structure import SubJaxpr, describe
 
 # Primitives whose output carries their inputs' relative error (no averaging,
 # no exponential, no choice): arithmetic, roots and cheap odd functions (the
 # elementwise chains stored as their root), the piecewise-linear ones (relu's
 # max), casts, data movement, and the checkpoint name marker.
-LOOK_THROUGH = frozenset(
-    {
-        "add",
-        "add_any",
-        "sub",
-        "mul",
-        "div",
-        "neg",
-        "integer_pow",
-        "square",
-        "tanh",
-        "erf",
-        "sqrt",
-        "rsqrt",
-        "abs",
-        "sin",
-        "cos",
-        "max",
-        "min",
-        "clamp",
-        "select_n",
-        "convert_element_type",
-        "reduce_precision",
-        "copy",
-        "copy_p",
-        "reshape",
-        "transpose",
-        "broadcast_in_dim",
-        "squeeze",
-        "expand_dims",
-        "slice",
-        "dynamic_slice",
-        "dynamic_update_slice",
-        "gather",
-        "concatenate",
-        "pad",
-        "rev",
-        "split",
-        "name",
-        "optimization_barrier",
-    }
+LOOK_THROUGH = (
+    CHEAP_ELEMENTWISE
+    | DATA_MOVEMENT
+    | frozenset(
+        """add_any max min clamp select_n reduce_precision dynamic_update_slice
+        gather rev split name optimization_barrier""".split()
+    )
 )
 
 
