@@ -87,10 +87,11 @@ def test_ten_steps_match_the_ordinary_step(case):
     # The same primitives on the same elements, one layer at a time: the
     # parameters and their state are bit-identical after 10 steps (SR's
     # rounding bits come from the global element index; int8 blocks lie within
-    # one layer). Float32 AdamW: XLA compiles the update of the parameters left
-    # for after the backward pass (the head) a little differently when the
-    # fused loop is in the program (the same jaxpr alone gives the same bits):
-    # a few units in the last place, which then reach every parameter.
+    # one layer). Float32 AdamW: XLA's algebraic simplifier rewrites Adam's
+    # (m / c1) / (sqrt(v / c2) + eps) as m / (c1 * (sqrt(v / c2) + eps)) in the
+    # ordinary program's update of the head (a parameter left for after the
+    # backward pass) but not in the fused one: one unit in the last place of
+    # some updates, which training then carries to every parameter.
     make, dtype = CASES[case]
     tx = make()
     params = _params(dtype)
