@@ -239,3 +239,44 @@ def test_sharded_parameters_give_the_ordinary_steps_bits():
     assert a[0]["layers"]["w1"].sharding.spec == P(None, None, "fsdp")
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_flax_linen_scan_layers_are_updated_in_the_loop():
+    # Flax's nn.scan stacks each layer's parameters on a leading axis: every
+    # one of them (Dense kernels and biases, LayerNorm scale and bias) is
+    # updated inside the transposed loop, with the ordinary step's bits.
+    import flax.linen as nn
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, h, _):
+            z = nn.Dense(4 * D)(nn.LayerNorm()(h))
+            return h + nn.Dense(D)(jax.nn.gelu(z)), None
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            stack = nn.scan(
+                Block,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                length=L,
+            )
+            h, _ = stack()(x, None)
+            return jnp.mean(jax.nn.logsumexp(nn.Dense(8)(h), axis=-1))
+
+    net = Net()
+    params = net.init(jax.random.key(1), _batch(0))
+    params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
+    loss = jaxamp.amp(net.apply, compute_dtype=jnp.bfloat16)
+    tx = _low()
+    state = tx.init(params)
+    stacked = [x for x in jax.tree.leaves(params) if x.shape[:1] == (L,)]
+    jaxpr = jax.make_jaxpr(_fused(loss, tx))(params, state, _batch(0))
+    shapes = {x.shape for x in stacked if x.ndim == 3}
+    assert all(s == [] for s in _stacked_scan_outputs(jaxpr, shapes))
+    a = jax.jit(_fused(loss, tx))(params, state, _batch(0))
+    b = jax.jit(_ordinary(loss, tx))(params, state, _batch(0))
+    assert len(stacked) == 6  # two kernels, two biases, LayerNorm scale and bias
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
