@@ -22,7 +22,7 @@ gradient; GaLore's per-layer weight updates (Zhao et al. 2024, arXiv
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import optax
 
 from .. import _compat
-from .._base._jaxpr import bind_eqn, evaluate, is_var
+from .._base._jaxpr import bind_eqn, evaluate, is_var, named_subs
 from . import _chunked
 from ._layer_update import (
     CLIP_ERROR,
@@ -135,21 +135,17 @@ def _step(loss_fn, optimizer, params, opt_state, batch):
         return [*pdef.flatten_up_to(new), *sdef.flatten_up_to(new_state)]
 
     g_avals = [v.aval for v in core.outvars[1:]]
-    upd = _compat.trace_to_closed_jaxpr(flat_update, g_avals + avals_of(s) + avals)
+    s_avals = [jax.typeof(x) for x in s]
+    upd = _compat.trace_to_closed_jaxpr(flat_update, g_avals + s_avals + avals)
     ucore, uconsts = _compat.jaxpr_parts(upd)
     deps = gradient_deps(ucore, n_p)
     names = [
         jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(params)
     ]
     groups = _fusable(core, p, deps, ucore.outvars, names, n_s)
-    outs = _run(core, consts, p, s, groups, ucore, uconsts, deps, n_p)
+    outs = _run(core, consts, p, s, groups, ucore, uconsts, n_p)
     loss, new_p, new_s = outs
     return pdef.unflatten(new_p), sdef.unflatten(new_s), loss
-
-
-def avals_of(leaves: Sequence) -> list:
-    """The avals of arrays (or tracers)."""
-    return [jax.typeof(x) for x in leaves]
 
 
 def _refuse_skipping(opt_state: Any) -> None:
@@ -181,14 +177,8 @@ def _refuse_float16(core: Any) -> None:
 def _all_eqns(core: Any):
     for eqn in core.eqns:
         yield eqn, core
-        for _, sub in _named_subs(eqn):
+        for _, sub in named_subs(eqn.params):
             yield from _all_eqns(sub)
-
-
-def _named_subs(eqn: Any) -> list:
-    from .._base._jaxpr import named_subs
-
-    return named_subs(eqn.params)
 
 
 def _param_reads(core: Any, n_p: int) -> dict:
@@ -278,7 +268,7 @@ def _fusable(core, p, deps, uouts, names, n_s) -> dict:
     return groups
 
 
-def _run(core, consts, p, s, groups, ucore, uconsts, deps, n_p):
+def _run(core, consts, p, s, groups, ucore, uconsts, n_p):
     """Evaluate the gradient's jaxpr with each group's loop fused with its
     updates, then update the other parameters; ``(loss, new p, new s)``."""
     n_s = len(s)
@@ -295,7 +285,8 @@ def _run(core, consts, p, s, groups, ucore, uconsts, deps, n_p):
             plans[i] = (group, keep)
     new: dict = {}  # leaf index in [p..., s...] -> its updated value
     by_eqn = {id(core.eqns[i]): plan for i, plan in plans.items()}
-    skipped = {id(e) for g, _ in plans.values() for c in _kept_chains(g, _) for e in c}
+    chains = [c for group, keep in plans.values() for c in _kept_chains(group, keep)]
+    skipped = {id(e) for chain in chains for e in chain}  # casts done in the loop
 
     def eval_eqn(eqn, invals):
         if id(eqn) in skipped:
@@ -307,14 +298,11 @@ def _run(core, consts, p, s, groups, ucore, uconsts, deps, n_p):
 
     outs = evaluate(core, consts, p, eval_eqn)
     loss, grads = outs[0], outs[1:]
-    fused = {u.k for _, keep in plans.values() for u in keep}
-    states = {n_p + j for _, keep in plans.values() for u in keep for j in u.states}
-    g_in = [zeros[k] if k in fused else grads[k] for k in range(n_p)]
+    # The other parameters and state from their gradients; the fused ones'
+    # outputs (computed here from zero gradients) are dead code for XLA.
+    g_in = [zeros[k] if k in new else grads[k] for k in range(n_p)]
     rest = _chunked.evaluate_whole(ucore, uconsts, [*g_in, *s, *p], {})
-    outs = [
-        new.get(m, rest[m]) if (m in fused or m in states) else rest[m]
-        for m in range(n_p + n_s)
-    ]
+    outs = [new.get(m, rest[m]) for m in range(n_p + n_s)]
     return loss, outs[:n_p], outs[n_p:]
 
 
