@@ -20,8 +20,8 @@ from . import _chunked
 CLIP_ERROR = (
     "update_in_backward(optimizer=...): the update of {what} reads the gradients "
     "of other parameters (global-norm clipping such as optax.clip_by_global_norm "
-    "needs every gradient before the first layer is updated). Clip each leaf "
-    "(optax.clip, optax.adaptive_grad_clip) or use the ordinary step "
+    "needs every gradient before the first layer is updated). Clip elementwise "
+    "(optax.clip) or use the ordinary step "
     "(jax.grad, then optimizer.update)."
 )
 
