@@ -424,7 +424,7 @@ def user_frame(eqn: Any) -> str:
 def _attention_state() -> Any:
     """A thread-local JAX config state that is part of JAX's trace and jit cache
     keys: set while amp traces the user's function, so a function traced with
-    attention interception (``jaxamp._attention``) is never served from, or
+    attention interception (``jaxamp._rewrites._attention``) is never served from, or
     into, JAX's caches for code traced without it (a jitted or scanned layer
     traced outside amp first would otherwise reach amp unrecognisable).
     JAX 0.10 / 0.11: ``jax._src.config.bool_state`` is private."""

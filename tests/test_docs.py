@@ -63,3 +63,37 @@ def test_user_guide_code_runs():
             except Exception as e:
                 msg = f"docs/guide.md block {i} failed:\n{block}"
                 raise AssertionError(msg) from e
+
+
+def test_module_paths_named_in_docstrings_and_docs_exist():
+    # A reader follows ``jaxamp._walk._loop`` or ``_scan_hoist.py`` from a
+    # docstring or a page of docs/: each must name a module (or an attribute
+    # of one) that exists. Files of other libraries (``mpx/_grad_tools.py``)
+    # are named with their library's folder and are not checked.
+    import importlib
+
+    pkg = ROOT / "jaxamp"
+    stems = {p.stem for p in pkg.rglob("*.py")} | {
+        p.name for p in pkg.rglob("*") if p.is_dir()
+    }
+    files = [*pkg.rglob("*.py"), *(ROOT / "docs").glob("*.md"), ROOT / "README.md"]
+    missing = []
+    for f in files:
+        text = f.read_text()
+        for m in re.finditer(r"(?<![\w/])(_[a-z][a-z0-9_]*)\.py\b", text):
+            if m.group(1) not in stems:
+                missing.append((f.name, m.group(0)))
+        for m in re.finditer(r"jaxamp((?:\._?[a-z][a-z0-9_]*)+)(?![\w*])", text):
+            parts = m.group(1).strip(".").split(".")
+            obj, name = None, "jaxamp"
+            try:
+                obj = importlib.import_module(name)
+                for part in parts:
+                    name += "." + part
+                    try:
+                        obj = getattr(obj, part)
+                    except AttributeError:
+                        obj = importlib.import_module(name)
+            except ImportError:
+                missing.append((f.name, m.group(0)))
+    assert not missing, missing

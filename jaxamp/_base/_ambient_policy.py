@@ -1,10 +1,10 @@
 """The current mixed precision policy: one ``ContextVar``, read by dtype parsing.
 
-This module imports nothing from jaxamp, so :mod:`jaxamp._dtypes` (which
+This module imports nothing from jaxamp, so :mod:`jaxamp._base._dtypes` (which
 resolves ``"compute"`` / ``"param"`` / ``"output"`` against the current policy)
-and :mod:`jaxamp._policy` (which defines :class:`~jaxamp.Policy` and imports
+and :mod:`jaxamp.compat._jmp` (which defines :class:`~jaxamp.Policy` and imports
 ``_dtypes``) can both read it without an import cycle. The context manager users
-open, :func:`jaxamp.mixed_precision`, lives in ``_semantic.py``.
+open, :func:`jaxamp.mixed_precision`, lives in ``compat/_haliax.py``.
 
 A ``ContextVar`` is per thread (a new thread starts with no policy) and per
 asyncio task, as Haliax's thread-local ``ResourceEnv`` is per thread.

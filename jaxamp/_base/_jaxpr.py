@@ -3,7 +3,7 @@
 An environment maps a jaxpr's variables to values; literals carry their own.
 :func:`evaluate` is the plain walk (bind each equation through a callback)
 that the scan-hoisting replay and :func:`jaxamp.find_overflows` run; the amp
-interpreter (``_interpreter.py``) has its own loop for its regions, on the
+interpreter (``_walk/_loop.py``) has its own loop for its regions, on the
 same :func:`read` / :func:`write`.
 """
 

@@ -5,7 +5,7 @@ residuals, the values its derivatives read. Three choices keep those lean, as
 a careful hand-written model keeps them (see ``docs/design.md``, "Residuals"):
 
 * A matmul whose down-cast inputs are all *held* (alive for the whole step
-  anyway: :attr:`jaxamp._state.WalkState.held`) runs inside a
+  anyway: :attr:`jaxamp._base._state.WalkState.held`) runs inside a
   ``jax.checkpoint`` (named scope :data:`RECAST_SCOPE`) that re-casts them in
   the backward pass: the low-precision copy of a weight is not a residual.
 * A default-rule matmul of a wide activation and a held weight casts the

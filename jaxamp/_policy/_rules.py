@@ -170,7 +170,7 @@ def _range_critical(compute_dtype) -> bool:
 @CastRule
 def follow_compute_precision(compute_dtype, original_dtypes, *invars, **params):
     """Rule "follow" (the default for unlisted primitives), reading the value
-    facts of :mod:`jaxamp._facts`:
+    facts of :mod:`jaxamp._values._facts`:
 
     * an equation traced with mixed float input dtypes keeps them (known or
       unknown primitive: cuDNN attention's backward, a custom kernel);
@@ -276,7 +276,7 @@ def narrow_bfloat16_carries(compute_dtype, original_dtypes, *carries, **params):
     dtype, the float carries that the value facts mark as narrowable run in
     bfloat16; every other carry keeps its traced dtype.
 
-    Narrowable (:mod:`jaxamp._facts`): the scan is not in the function's tail,
+    Narrowable (:mod:`jaxamp._values._facts`): the scan is not in the function's tail,
     the carry reaches a matmul in the body (an activation, e.g. the residual
     stream of a scanned transformer, whose float32 copy per layer would
     otherwise be a residual), and no matmul-free path into it passes an

@@ -17,7 +17,7 @@ torchao's int8 mixed-precision training
   the compute dtype.
 * which operand is the weight: decided by what the operands hold, not by
   their position (``eqx.nn.Linear`` computes ``weight @ x``); see
-  :func:`jaxamp._quant_common.weight_operand` for the rule. The product is
+  :func:`jaxamp._quant._common.weight_operand` for the rule. The product is
   then run with the activation as lhs and the weight as rhs, below.
 * dgrad (``d lhs = g . rhs^T``, the input gradient, int8 by default) and
   wgrad (``d rhs = lhs^T . g``, the weight gradient, compute dtype by
@@ -359,7 +359,7 @@ def int8_dot_general(
     run int8 x int8 -> int32 with float32 scales or in ``out_dtype``; the
     backward pass reuses the forward's int8 operands. Which operand is the
     weight is read from the operands (``weight="auto"``), not their order:
-    the rule of :func:`jaxamp._quant_common.weight_operand`, in short the
+    the rule of :func:`jaxamp._quant._common.weight_operand`, in short the
     operand contracted over its leading dims (a kernel ``(in, out)``), else
     the one with fewer free dims, else the wider dtype, else fewer free
     elements, else the rhs; batched products (attention) take the rhs.

@@ -1,4 +1,4 @@
-"""The RMSNorm region: one pattern rewrite (see ``_interpreter.Region``).
+"""The RMSNorm region: one pattern rewrite (see ``_walk._loop.Region``).
 
 The facts pass marks an RMSNorm scaling (``x * rsqrt(mean(x * x) + eps)``,
 ``x / sqrt(sum(x * x))``: ``rms_scaling``) and its operands (the square, Flax's

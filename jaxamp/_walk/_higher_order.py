@@ -10,7 +10,7 @@ layer called N times is rewritten once.
   body were inlined (see :func:`_call`).
 * ``scan``: the policy's ``"scan"`` rule chooses the carry dtype; inputs that
   the rewritten body only reads in a narrower dtype are cast before the loop
-  (``_hoist.py``).
+  (``_scan_hoist.py``).
 * ``while``, ``cond``, ``shard_map``: identical input and output avals.
 * ``custom_jvp_call`` / ``custom_vjp_call``: the primal is rewritten *and* the
   user's jvp / fwd / bwd rules are wrapped so that they still run under
@@ -73,7 +73,7 @@ from ._loop import (
 from ._scan_hoist import loop_casts, with_dtypes, without_casts
 
 # The default table: primitive name -> rule. ``amp`` hands it to the
-# interpreter (``_interpreter.Pipeline``); rules registered later apply too.
+# interpreter (``_loop.Pipeline``); rules registered later apply too.
 higher_order_rules: dict[str, HigherOrderRule] = {}
 
 # sub-jaxpr -> {context key: rewritten jaxpr}. Keyed weakly by the jaxpr object:
@@ -162,7 +162,7 @@ def rewrite_jaxpr(
     the traced dtype) change the signature where a rule asked for it (scan
     carries); ``out_dtypes=FREE`` lets outputs leave in the dtype the body
     computes them in (call-like primitives). ``held`` marks the inputs bound to
-    held values (:func:`jaxamp._residuals.is_held`) where JAX's partial
+    held values (:func:`jaxamp._policy._compressed.is_held`) where JAX's partial
     evaluation forwards them as residuals. ``widened`` marks the inputs given
     in a narrower dtype (``in_dtypes``) that hold the traced, wider value: the
     body reads them widened where it needs the wider dtype
@@ -400,9 +400,11 @@ def _scan(eqn: Any, invals: list, ctx: AmpContext) -> Any:
     By default (``_rules.narrow_bfloat16_carries``) float carries are narrowed
     to bfloat16 when that is the compute dtype, which removes the float32
     residual stream of a scanned transformer, and keep their traced dtype
-    otherwise. Consts and the
-    stacked weights of checkpointed layers that the body only reads in the
-    compute dtype are cast once, before the loop (:func:`jaxamp._hoist.loop_casts`).
+    otherwise. Consts and the stacked weights of checkpointed layers that the
+    body only reads in the compute dtype are cast once, before the loop
+    (:func:`jaxamp._walk._scan_hoist.loop_casts`). Stacked inputs held in a
+    narrower dtype than traced (bfloat16 parameters) enter the loop as they
+    are (:func:`jaxamp._base._cast.narrow_sources`).
     """
     n_consts, n_carry = _compat.scan_carry_range(eqn.params)
     invals = restore_inputs(eqn, invals)
@@ -438,7 +440,7 @@ def _scan(eqn: Any, invals: list, ctx: AmpContext) -> Any:
     if body is None:
         return run_unchanged(eqn, invals, ctx)
     # Inputs the rewritten body only reads in a narrower dtype are cast once,
-    # before the loop, and their casts leave the body (_hoist.py).
+    # before the loop, and their casts leave the body (_scan_hoist.py).
     off = "loop_casts" in ctx.pipeline.off
     casts = () if off else loop_casts(eqn, body, n_consts, n_carry)
     if any(d is not None for d in casts):

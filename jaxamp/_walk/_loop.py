@@ -201,13 +201,13 @@ def eval_jaxpr(
             where ``widened``).
         ctx: compute dtype, policy, tables and enclosing scopes.
         held: per arg, whether it stays alive for the whole step anyway (see
-            :attr:`jaxamp._state.WalkState.held`); a matmul whose cast inputs
+            :attr:`jaxamp._base._state.WalkState.held`); a matmul whose cast inputs
             are all held recomputes the casts in the backward pass instead of
             saving the copies.
         consts_held: whether ``consts`` are held (closed-over values of the
             amp'd function).
         boundary: ``(out bits, in_squared)``, the value facts at the edges of
-            ``jaxpr`` (:mod:`jaxamp._facts`): the uses of its outputs (all zero
+            ``jaxpr`` (:mod:`jaxamp._values._facts`): the uses of its outputs (all zero
             for the amp'd function's own outputs) and which inputs have the
             magnitude of a square; None where unknown (conservative).
         widened: per arg, whether it is narrower than its traced dtype and
@@ -220,7 +220,7 @@ def eval_jaxpr(
 
     Returns:
         The output values, in whatever dtype the policy left them; callers cast
-        back (:func:`jaxamp._cast.restore`) where the surrounding code needs
+        back (:func:`jaxamp._base._cast.restore`) where the surrounding code needs
         the traced avals.
 
     Raises:

@@ -202,7 +202,7 @@ def _replay(core: Any, consts: list, args: Any, narrowed: set) -> list:
 
 def _is_check_factor(eqn: Any, removed: set) -> bool:
     """``eqn`` multiplies the result of a removed cast by its overflow check's
-    NaN-or-1 factor (:func:`jaxamp._overflow.poison`)."""
+    NaN-or-1 factor (:func:`jaxamp._base._overflow.poison`)."""
     return (
         _overflow.is_factor(eqn) and is_var(eqn.invars[0]) and eqn.invars[0] in removed
     )

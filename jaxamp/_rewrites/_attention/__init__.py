@@ -27,7 +27,7 @@ dtypes it receives at run time; this module does the same for jaxamp:
 The policy key ``"attention"`` (``_rule.py``: :func:`attention_rule`) turns
 this off or forces an implementation; ``amp_stop`` regions are left alone.
 ``_rewrite.py`` plugs the matched groups into the interpreter as regions
-(:data:`REWRITE`, one ``_interpreter.PatternRewrite``).
+(:data:`REWRITE`, one ``_walk._loop.PatternRewrite``).
 """
 
 from ._intercept import intercept as intercept

@@ -1,4 +1,4 @@
-"""Attention as a pattern rewrite (``_interpreter.Region``).
+"""Attention as a pattern rewrite (``_walk._loop.Region``).
 
 Each matched group (``_match.py``) is one region: at its first equation the
 policy decides (:func:`jaxamp.attention_rule`); a group left alone is walked
