@@ -245,8 +245,10 @@ def ablated(
         compute_dtype: Any = jnp.float16,
         amp_policy: Mapping[Any, Rule] = default_amp_policy,
         overflow_check: bool | None = None,
+        residual_dtype: Any = None,
     ) -> Callable:
-        return amp_with(fn, compute_dtype, amp_policy, overflow_check, pipeline)
+        policy = _residuals.with_residual_dtype(amp_policy, residual_dtype)
+        return amp_with(fn, compute_dtype, policy, overflow_check, pipeline)
 
     return amp_ablated
 

@@ -329,3 +329,20 @@ def test_float16_parameters_with_loss_scaling_stay_finite_and_skip_overflow():
     assert all(
         bool((a == b).all()) for a, b in zip(jax.tree.leaves(p2), jax.tree.leaves(p1))
     )
+
+
+def test_ablated_takes_amps_residual_dtype():
+    # ablated() returns a function with amp's signature, residual_dtype
+    # included: the same saved set as amp's with that residual format.
+    from jaxamp import _amp
+
+    def f(w, x):
+        return jnp.sum(jnp.tanh(x @ w) ** 2)
+
+    w = jnp.linspace(-1, 1, 64 * 64, dtype=jnp.float32).reshape(64, 64)
+    x = 100.0 * jnp.cos(jnp.arange(8 * 64, dtype=jnp.float32)).reshape(8, 64)
+    kw = {"compute_dtype": jnp.bfloat16, "residual_dtype": "int8"}
+    plain = jaxamp.saved_residual_bytes(jaxamp.amp(f, compute_dtype=jnp.bfloat16), w, x)
+    full = jaxamp.saved_residual_bytes(jaxamp.amp(f, **kw), w, x)
+    ablated = jaxamp.saved_residual_bytes(_amp.ablated()(f, **kw), w, x)
+    assert ablated == full < plain
