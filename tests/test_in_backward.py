@@ -280,3 +280,20 @@ def test_flax_linen_scan_layers_are_updated_in_the_loop():
     assert len(stacked) == 6  # two kernels, two biases, LayerNorm scale and bias
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("name", ["adafactor", "clip_by_block_rms"])
+def test_updates_reading_a_whole_leaf_are_made_after_the_backward_pass(name):
+    # Adafactor's factored moments and a per-leaf RMS clip read values of the
+    # gradient across layers: those leaves are updated after the backward
+    # pass (as in the ordinary step), not refused.
+    tx = {
+        "adafactor": optax.adafactor(1e-3),
+        "clip_by_block_rms": optax.chain(optax.clip_by_block_rms(1.0), optax.sgd(1e-2)),
+    }[name]
+    params = _params(F32)
+    state = tx.init(params)
+    a = jax.jit(_fused(LOSS, tx))(params, state, _batch(0))
+    b = jax.jit(_ordinary(LOSS, tx))(params, state, _batch(0))
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

@@ -165,7 +165,9 @@ _BLOCK = 2**19  # elements of a parameter updated at once (2 MiB in float32)
 
 
 class _NoGradients(dict):
-    """An evaluation's values, refusing those that depend on gradients."""
+    """An evaluation's values, refusing those that depend on gradients: a
+    value of the parameter's gradient that is not laid out by layers (its
+    norm across layers) is not known before the whole backward pass."""
 
     def __init__(self, values: dict, deps: dict):
         super().__init__(values)
@@ -173,7 +175,7 @@ class _NoGradients(dict):
 
     def __getitem__(self, key):
         if self._deps.get(key):
-            raise ValueError(CLIP_ERROR.format(what="a stacked parameter"))
+            raise _chunked.Unchunkable("a value of the gradient across layers")
         return super().__getitem__(key)
 
 
@@ -206,10 +208,8 @@ def _sliceable(upd: LayerUpdate, g, p, s, n_p, n_s) -> bool:
 
     try:
         jax.eval_shape(trial, jnp.zeros((), jnp.int32))
-    except (_chunked.Unchunkable, TypeError, ValueError) as e:
-        if isinstance(e, ValueError) and "reads the gradients" in str(e):
-            raise  # a coupled update: refused, not sliced
-        return False
+    except (_chunked.Unchunkable, TypeError, ValueError):
+        return False  # updated after the backward pass instead
     return True
 
 
