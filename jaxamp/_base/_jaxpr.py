@@ -4,15 +4,17 @@ An environment maps a jaxpr's variables to values; literals carry their own.
 :func:`evaluate` is the plain walk (bind each equation through a callback)
 that the scan-hoisting replay and :func:`jaxamp.find_overflows` run; the amp
 interpreter (``_walk/_loop.py``) has its own loop for its regions, on the
-same :func:`read` / :func:`write`.
+same :func:`read` / :func:`write`. :func:`iter_equations` lists every
+equation of a jaxpr and its sub-jaxprs (``jaxamp.iter_equations``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from .. import _compat
+from ._structure import trips
 
 
 def is_var(v: Any) -> bool:
@@ -80,3 +82,44 @@ def evaluate(
         outs = eval_eqn(eqn, [read(env, v) for v in eqn.invars])
         env.update(zip(eqn.outvars, outs))
     return [read(env, v) for v in core.outvars]
+
+
+def check_jaxpr(closed: Any) -> Any:
+    """``closed`` if it is a jaxpr, else a TypeError naming what to pass."""
+    if not _compat.is_jaxpr(closed):
+        raise TypeError(
+            "expected a jaxpr, e.g. jax.make_jaxpr(jax.grad(loss))(*args); got "
+            f"{type(closed).__name__}."
+        )
+    return closed
+
+
+def _inner_weight(eqn: Any, weight: float) -> float:
+    # The static trip count of a loop's body (_structure.py).
+    return weight * trips(eqn)
+
+
+def iter_equations(closed: Any, weight: float = 1.0) -> Iterator[tuple[Any, float]]:
+    """Every equation of a jaxpr and of all its sub-jaxprs, depth first.
+
+    Each equation comes with how many times it runs per call of ``closed``, as
+    far as that is static: ``scan`` bodies are weighted by ``length``;
+    ``while`` bodies (trip count unknown) and every ``cond`` branch get the
+    weight of the equation that holds them.
+
+    Args:
+        closed: a ``ClosedJaxpr`` or ``Jaxpr``.
+        weight: the weight of the top-level equations.
+
+    Yields:
+        ``(equation, weight)`` pairs; a higher-order equation comes before the
+        equations of its sub-jaxprs.
+
+    Raises:
+        TypeError: if ``closed`` is not a jaxpr.
+    """
+    core, _ = _compat.jaxpr_parts(check_jaxpr(closed))
+    for eqn in core.eqns:
+        yield eqn, weight
+        for sub in _compat.sub_jaxprs(eqn.params):
+            yield from iter_equations(sub, _inner_weight(eqn, weight))

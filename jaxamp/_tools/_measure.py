@@ -10,13 +10,15 @@ is a ``Jaxpr``/``ClosedJaxpr`` or a tuple/list of them (``jit``'s ``jaxpr``,
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
 from .. import _compat
+from .._base._jaxpr import check_jaxpr as _check
+from .._base._jaxpr import iter_equations as iter_equations
 from .._base._structure import describe, trips
 
 LOW_PRECISION = frozenset(
@@ -30,46 +32,6 @@ LOW_PRECISION = frozenset(
         jnp.float8_e5m2fnuz,
     )
 )
-
-
-def _check(closed: Any) -> Any:
-    if not _compat.is_jaxpr(closed):
-        raise TypeError(
-            "expected a jaxpr, e.g. jax.make_jaxpr(jax.grad(loss))(*args); got "
-            f"{type(closed).__name__}."
-        )
-    return closed
-
-
-def _inner_weight(eqn: Any, weight: float) -> float:
-    # The static trip count of a loop's body (_base/_structure.py).
-    return weight * trips(eqn)
-
-
-def iter_equations(closed: Any, weight: float = 1.0) -> Iterator[tuple[Any, float]]:
-    """Every equation of a jaxpr and of all its sub-jaxprs, depth first.
-
-    Each equation comes with how many times it runs per call of ``closed``, as
-    far as that is static: ``scan`` bodies are weighted by ``length``;
-    ``while`` bodies (trip count unknown) and every ``cond`` branch get the
-    weight of the equation that holds them.
-
-    Args:
-        closed: a ``ClosedJaxpr`` or ``Jaxpr``.
-        weight: the weight of the top-level equations.
-
-    Yields:
-        ``(equation, weight)`` pairs; a higher-order equation comes before the
-        equations of its sub-jaxprs.
-
-    Raises:
-        TypeError: if ``closed`` is not a jaxpr.
-    """
-    core, _ = _compat.jaxpr_parts(_check(closed))
-    for eqn in core.eqns:
-        yield eqn, weight
-        for sub in _compat.sub_jaxprs(eqn.params):
-            yield from iter_equations(sub, _inner_weight(eqn, weight))
 
 
 def _prod(xs: Any) -> float:
@@ -148,7 +110,7 @@ def _flops(closed: Any) -> dict[str, float]:
             if per_branch:
                 _add(out, max(per_branch, key=lambda f: sum(f.values())), 1.0)
         else:
-            inner = _inner_weight(eqn, 1.0) * _shards(eqn)
+            inner = trips(eqn) * _shards(eqn)
             for sub in _compat.sub_jaxprs(eqn.params):
                 _add(out, _flops(sub), inner)
     return out

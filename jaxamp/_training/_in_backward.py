@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import optax
 
 from .. import _compat
-from .._base._jaxpr import bind_eqn, evaluate, is_var, named_subs
+from .._base._jaxpr import bind_eqn, evaluate, is_var, iter_equations
 from . import _chunked
 from ._layer_update import (
     CLIP_ERROR,
@@ -162,7 +162,7 @@ def _refuse_skipping(opt_state: Any) -> None:
 
 
 def _refuse_float16(core: Any) -> None:
-    for eqn, _ in _all_eqns(core):
+    for eqn, _ in iter_equations(core):
         if eqn.primitive.name == "dot_general" and any(
             getattr(v.aval, "dtype", None) == jnp.float16 for v in eqn.invars
         ):
@@ -172,13 +172,6 @@ def _refuse_float16(core: Any) -> None:
                 "the first layer is updated. Use compute_dtype=jnp.bfloat16, or "
                 "the ordinary step with jaxamp.dynamic_scale_value_and_grad."
             )
-
-
-def _all_eqns(core: Any):
-    for eqn in core.eqns:
-        yield eqn, core
-        for _, sub in named_subs(eqn.params):
-            yield from _all_eqns(sub)
 
 
 def _param_reads(core: Any, n_p: int) -> dict:

@@ -223,10 +223,6 @@ def plan_leaf(ucore, uconsts, k, states, zeros, s, p, n_p, n_s):
     return None
 
 
-def _take(a: Any, i: Any, rows: int) -> Any:
-    return _chunked.from_bits(jax.lax.dynamic_slice_in_dim(a, i * rows, rows, 0))
-
-
 def fused_scan(eqn, invals, group, keep, p, s, new, n_p, n_s):
     """The transposed ``scan`` ``eqn`` re-run with the updates of ``keep``
     in its body; the parameters and state they update are carried (in
@@ -253,7 +249,7 @@ def fused_scan(eqn, invals, group, keep, p, s, new, n_p, n_s):
         for n in range(xs0, len(invals)):
             if n in fwd:
                 k, casts = fwd[n]
-                v = _take(st[_pos(leaves, k)][0], i, 1)[0]
+                v = _chunked.take(st[_pos(leaves, k)][0], i)[0]
                 for cast in casts:
                     (v,) = bind_eqn(cast, [v])
                 args.append(v)
