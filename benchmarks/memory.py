@@ -607,18 +607,6 @@ def report(mem: dict, train: dict, args) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _h100_missing() -> str | None:
-    """``gpu_target.available()``: None, or why the H100 target cannot be
-    compiled for (the install line)."""
-    try:
-        return gpu_target.available()
-    except ModuleNotFoundError:  # no jax_plugins package: find_spec raises
-        return (
-            "the H100 target needs the CUDA plugin of this jax version: pip "
-            f'install "jax[cuda12]=={jax.__version__}" (no GPU needed)'
-        )
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--width", type=int, default=1024, help="d_model of part 1")
@@ -667,7 +655,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.slope and (args.model or args.targets != ["cpu"]):
         p.error("--model and --targets apply to --slope only")
     if args.slope:
-        missing = "h100" in args.targets and _h100_missing()
+        missing = "h100" in args.targets and gpu_target.available()
         if missing:
             print(f"memory.py: {missing}", file=sys.stderr)
             return 2
