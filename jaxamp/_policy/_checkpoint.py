@@ -43,14 +43,15 @@ from .._base import _state
 from .._base._cast import cast_cache
 from .._base._dtypes import is_float
 from .._base._jaxpr import bind_eqn, read
+from .._base._structure import describe
 from .._values._operands import EXACT, PRODUCT, product_operands
 from ._compressed import (
     STASH_SCOPE,
-    _partial_vjp,
-    _Saved,
-    _weight,
+    Saved,
     encoded,
     is_held,
+    partial_vjp,
+    weight_source_of,
 )
 from ._stash import Format, compressible_aval, encode
 
@@ -110,13 +111,10 @@ def _note(choice: SavedChoice) -> None:
         log.append(choice)
 
 
-_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"})
-
-
 def _case(policy: Any, eqn: Any) -> str:
     """``"save"``, ``"offload"`` or ``"recompute"``: what ``policy`` does with
     ``eqn``'s outputs (JAX asks it the same way)."""
-    if policy is None or eqn.primitive.name in _CALLS:
+    if policy is None or _call_body(eqn) is not None:
         return "recompute"
     got = policy(eqn.primitive, *(v.aval for v in eqn.invars), **eqn.params)
     kind = type(got).__name__
@@ -126,11 +124,12 @@ def _case(policy: Any, eqn: Any) -> str:
 
 
 def _call_body(eqn: Any) -> Any:
-    """The sub-jaxpr of a call equation (``jit``), else None."""
-    if eqn.primitive.name not in _CALLS:
+    """The sub-jaxpr of a call equation (``jit``; not a nested checkpoint),
+    as the higher-order registry describes it, else None."""
+    structure = describe(eqn)
+    if structure is None or not structure.call or structure.recomputed:
         return None
-    subs = list(_compat.sub_jaxprs(eqn.params))
-    return subs[0] if len(subs) == 1 else None
+    return structure.subs[0].jaxpr if structure.dtypes_flow else None
 
 
 def policy_cases(policy: Any, jaxpr: Any) -> frozenset:
@@ -205,7 +204,7 @@ def _reads(traced: Any, n_out: int, floats: list[bool]) -> tuple[list, list]:
         fn = functools.partial(
             _replayed, core, consts, saved_vars, xs[n : n + m], n_out
         )
-        return _partial_vjp(fn, xs[:n], idx, xs[n + m :])
+        return partial_vjp(fn, xs[:n], idx, xs[n + m :])
 
     avals = [v.aval for v in [*core.invars, *saved_vars, *core.outvars[:n_out]]]
     back = _compat.trace_to_closed_jaxpr(backward, avals)
@@ -252,7 +251,7 @@ def store_checkpoint(
     policy = eqn.params.get("policy")
     idx = [i for i, x in enumerate(invals) if isinstance(x, jax.Array)]
     # A value made from a held one (a transposed weight) is remade from it.
-    weights = [_weight(invals[i]) for i in idx]
+    weights = [weight_source_of(invals[i]) for i in idx]
     args = [invals[i] if w is None else w[0] for i, w in zip(idx, weights)]
     core, consts = _compat.jaxpr_parts(body)
     n_out = len(core.outvars)
@@ -353,14 +352,14 @@ def _bound(traced, n_out, args, codes, in_plan, plan, forms) -> list:
         )
         idx = [j for j, s in enumerate(res[0]) if s.perturbed]
         replay = functools.partial(_replayed, core, consts, saved_vars, inner, n_out)
-        grads = dict(zip(idx, _partial_vjp(replay, vals, idx, cts)))
+        grads = dict(zip(idx, partial_vjp(replay, vals, idx, cts)))
         return (*(grads.get(j) for j in range(n)), *([None] * len(codes)))
 
     stored.defvjp(fwd, bwd)
     return stored(*args, *codes)
 
 
-def _saved_value(x: Any, how: str, forms: tuple, code: Any = ()) -> _Saved:
+def _saved_value(x: Any, how: str, forms: tuple, code: Any = ()) -> Saved:
     """What the backward pass keeps of ``x``: ``"code"`` (``code`` if given,
     else encoded here), ``"cast"`` (a copy in the compute dtype), ``"raw"``
     or ``"none"``."""
@@ -370,9 +369,9 @@ def _saved_value(x: Any, how: str, forms: tuple, code: Any = ()) -> _Saved:
         if not code:
             with jax.named_scope(STASH_SCOPE):
                 code = encode(jax.lax.stop_gradient(x), fmt)
-        return _Saved("code", tuple(code), *meta, fmt)
+        return Saved("code", tuple(code), *meta, fmt)
     if how == "cast":
-        return _Saved("cast", (x.astype(compute),), *meta, None)
+        return Saved("cast", (x.astype(compute),), *meta, None)
     if how == "raw":
-        return _Saved("raw", (x,), *meta, None)
-    return _Saved("none", (), *meta, None)
+        return Saved("raw", (x,), *meta, None)
+    return Saved("none", (), *meta, None)

@@ -84,7 +84,7 @@ def _elementwise_root(invals: Sequence[Any]) -> Any:
     roots = set()
     root = None
     for x in arrays:
-        found = _weight(x)
+        found = weight_source_of(x)
         src = x if found is None else found[0]
         roots.add(id(src))
         root = src
@@ -105,7 +105,7 @@ def _mark_derived(out, call, invals, new_in, params, root) -> None:
         return
     derive = []
     for x in invals:
-        found = _weight(x) if isinstance(x, jax.Array) else None
+        found = weight_source_of(x) if isinstance(x, jax.Array) else None
         derive.append(None if found is None else found[1])
 
     def remake(src):
@@ -249,11 +249,11 @@ def _weight_source(invals: Sequence[Any]) -> tuple | None:
     x = invals[i]
     if is_held(x):
         return i, x, None
-    found = _weight(x)
+    found = weight_source_of(x)
     return None if found is None else (i, *found)
 
 
-def _weight(x: Any) -> tuple | None:
+def weight_source_of(x: Any) -> tuple | None:
     """``(held source, derive)`` of a value :func:`_mark_weight` recorded."""
     cache = _state.current().casts
     hit = None if cache is None else cache.get((id(x), "weight"))
@@ -309,7 +309,7 @@ def encoded(x: Any, fmt: Format) -> tuple[Any, Any]:
     meta_fields=["kind", "shape", "dtype", "perturbed", "fmt"],
 )
 @dataclasses.dataclass(frozen=True)
-class _Saved:
+class Saved:
     """What the backward pass keeps of one input: ``kind`` ``"raw"`` (the
     value), ``"code"`` (``(q, scale)``), ``"cast"`` (a copy in a narrower
     dtype) or ``"none"`` (nothing: its derivative reads no input value);
@@ -344,7 +344,7 @@ def _reads(closed: Any, perturbed: Sequence[bool]) -> list[bool]:
         return [False] * n
 
     def backward(*vals_cts):
-        return _partial_vjp(fn, vals_cts[:n], idx, vals_cts[n:])
+        return partial_vjp(fn, vals_cts[:n], idx, vals_cts[n:])
 
     avals = [v.aval for v in core.invars] + [v.aval for v in core.outvars]
     traced = _compat.trace_to_closed_jaxpr(backward, avals)
@@ -385,7 +385,7 @@ def store_compressed(
     idx = [i for i, x in enumerate(invals) if isinstance(x, jax.Array)]
     # A value made from a held one (a transposed weight) is remade from it in
     # both passes: the held value is saved, not a copy.
-    weights = [_weight(invals[i]) for i in idx]
+    weights = [weight_source_of(invals[i]) for i in idx]
     args = [invals[i] if w is None else w[0] for i, w in zip(idx, weights)]
     candidates = [
         compressible(x) and not is_held(x) and i not in keep for i, x in zip(idx, args)
@@ -442,25 +442,25 @@ def _stored(closed, args, codes, coded, floats, reads, fmt) -> list:
         for j, x in enumerate(vals[:n]):
             meta = (x.shape, x.dtype, floats[j])
             if not reads[j]:
-                saved.append(_Saved("none", (), *meta, None))
+                saved.append(Saved("none", (), *meta, None))
             elif j in slot:
                 k = n + slot[j]
-                saved.append(_Saved("code", tuple(vals[k : k + 2]), *meta, fmt))
+                saved.append(Saved("code", tuple(vals[k : k + 2]), *meta, fmt))
             else:
-                saved.append(_Saved("raw", (x,), *meta, None))
+                saved.append(Saved("raw", (x,), *meta, None))
         return fn(*vals[:n]), tuple(saved)
 
     def bwd(saved, cts):
         vals = [s.value() for s in saved]
         idx = [j for j, s in enumerate(saved) if s.perturbed]
-        grads = dict(zip(idx, _partial_vjp(fn, vals, idx, cts)))
+        grads = dict(zip(idx, partial_vjp(fn, vals, idx, cts)))
         return (*(grads.get(j) for j in range(n)), *([None] * len(codes)))
 
     stored.defvjp(fwd, bwd)
     return stored(*args, *codes)
 
 
-def _partial_vjp(fn: Any, vals: Sequence[Any], idx: list[int], cts: Sequence[Any]):
+def partial_vjp(fn: Any, vals: Sequence[Any], idx: list[int], cts: Sequence[Any]):
     """The VJP of ``fn(*vals)`` with respect to the positions ``idx`` of
     ``vals`` only (the others held constant), for output cotangents ``cts``."""
 
