@@ -11,8 +11,8 @@ reading the others from the first. It accepts elementwise primitives,
 broadcasts of scalars, calls (``jit``, ``custom_jvp``, ...) into such code
 and, given the slice's layer, the layer-major steps of rounding bits and
 int8 blocks (:func:`evaluate_slice`);
-anything else (a reshape or a reduction along a stacked leaf's axes, as in
-Adafactor's factored moments) raises :class:`Unchunkable`, and the caller
+anything else (a reduction across the layers, a reshape that mixes them)
+raises :class:`Unchunkable`, and the caller
 evaluates the update on whole leaves instead. Both evaluations bind the same
 primitives on the same elements, so the results are the same bits.
 """
