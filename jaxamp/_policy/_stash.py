@@ -84,6 +84,15 @@ class Format:
         and stores the inputs of non-linearities, norms and attention."""
         return self.dtype == np.dtype(jnp.int8)
 
+    @property
+    def product_form(self) -> Format:
+        """The form of a value saved at a ``jax.checkpoint`` boundary that a
+        product's input is recomputed from (``_checkpoint.py``): this one
+        where it stores products' inputs, else int8 in 1 x 32 groups."""
+        if self.stores_products:
+            return self
+        return Format(np.dtype(jnp.int8), INT8_GROUP)
+
     def groups(self, length: int) -> tuple[int, int]:
         """``(group length, number of groups)`` for a last axis of ``length``."""
         g = min(self.group, length)

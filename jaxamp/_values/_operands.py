@@ -2,11 +2,12 @@
 exponential's input.
 
 A weight gradient ``x^T g`` inherits the error of a stored ``x`` as it is.
-FP8 residuals (``_policy/_stash.Format.stores_products``) therefore leave a
-product's input in the compute dtype, and the same holds for a value the
-product's input is recomputed from: through an elementwise chain (a GELU, a
-residual add), a normalisation (a LayerNorm's ``x - mean(x)`` and scaling
-read ``x`` itself, whose relative error they keep) or data movement (a
+FP8 residuals (``_policy/_stash.Format.stores_products``) therefore never
+store a product's input in FP8, nor a value the product's input is
+recomputed from (``Format.product_form``: int8), through an elementwise
+chain (a GELU, a residual add), a normalisation (a LayerNorm's
+``x - mean(x)`` and scaling read ``x`` itself, whose relative error they
+keep) or data movement (a
 reshape, a split). This pass finds those values, backwards from the products
 (``dot_general``, convolutions), for the saved values at a user's
 ``jax.checkpoint`` boundary (``_policy/_checkpoint.py``): its inputs and the

@@ -52,7 +52,7 @@ from .._base._structure import (
     describe_call,
     run_once,
 )
-from .._policy._checkpoint import offloads, store_checkpoint
+from .._policy._checkpoint import offloads, policy_cases, store_checkpoint
 from .._policy._compressed import (
     is_held,
     recomputable,
@@ -265,7 +265,8 @@ def _call(eqn: Any, invals: list, ctx: AmpContext) -> Any:
     # inputs of a call cheap and safe to recompute (jax.nn.silu), are saved
     # compressed and the body recomputed from them (_policy/_compressed.py).
     fmt = stash_format()
-    stored = fmt is not None and _worth_storing(invals)
+    saves = remat and "save" in policy_cases(params.get("policy"), params[name])
+    stored = fmt is not None and (saves or _worth_storing(invals))
     stored = stored and (remat or recomputable(params[name]))
     stored = stored and not (remat and offloads(params.get("policy"), params[name]))
     held = () if remat or stored else tuple(map(is_held, invals))
@@ -276,7 +277,7 @@ def _call(eqn: Any, invals: list, ctx: AmpContext) -> Any:
     if params[name] is None:
         return run_unchanged(eqn, invals, ctx)
     if stored and remat:
-        outs = store_checkpoint(eqn, params[name], invals, fmt, ctx.compute_dtype)
+        outs = store_checkpoint(eqn, params[name], invals, fmt)
         if outs is not None:
             return outs
     return _bind_stored(eqn.primitive, params, invals, fmt if stored else None)
