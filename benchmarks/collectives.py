@@ -13,7 +13,8 @@ for each variant (the same model, :func:`make_loss`):
 
 * ``amp``: ``jax.value_and_grad(jaxamp.amp(loss, compute_dtype=jnp.bfloat16))``;
 * ``hand``: the parameters cast to bfloat16 at the top of the loss
-  (``jaxamp.cast_to_bfloat16``): each weight is gathered once and the gathered
+  (``jaxamp.migration.mpx.cast_to_bfloat16``): each weight is gathered once and the
+  gathered
   bf16 copy is kept for the backward pass (an unsharded bf16 model per device);
 * ``hand_zero3``: reshard after forward, as ZeRO-3 / PyTorch FSDP do by
   default: each matmul with a weight is
@@ -185,7 +186,7 @@ def variants(dims: Dims) -> dict[str, Callable]:
     loss = make_loss(dims)
     return {
         "amp": jaxamp.amp(loss, compute_dtype=jnp.bfloat16),
-        "hand": lambda p, x, y: loss(jaxamp.cast_to_bfloat16(p), x, y),
+        "hand": lambda p, x, y: loss(jaxamp.migration.mpx.cast_to_bfloat16(p), x, y),
         "hand_zero3": make_loss(dims, matmul=zero3_matmul, param=_to_bf16),
         "fp32": loss,
     }

@@ -57,7 +57,7 @@ against ``amp local``'s, the median relative L2 distance of each bf16
 variant's gradient to ``amp local``'s (the same roundings give ~0: this
 separates a change of numerics from the draw-to-draw spread), and the number
 of bfloat16 ``sub`` equations in each variant's gradient jaxpr
-(``jaxamp.iter_equations`` over ``jax.make_jaxpr(jax.grad(...))``): a
+(``jaxamp.tools.iter_equations`` over ``jax.make_jaxpr(jax.grad(...))``): a
 ``x - mean`` of a BatchNorm in bfloat16 is what loses the normalisation's
 precision.
 
@@ -294,7 +294,7 @@ def low_subs(fn: Callable, *operands) -> list:
     closed = jax.make_jaxpr(jax.grad(fn))(*operands)
     return [
         e
-        for e, _ in jaxamp.iter_equations(closed)
+        for e, _ in jaxamp.tools.iter_equations(closed)
         if e.primitive.name == "sub" and e.outvars[0].aval.dtype == BF16
     ]
 

@@ -108,7 +108,7 @@ def make_loss(size: str, implementation: str | None, hand: bool) -> Callable:
         return x + jax.nn.gelu(h @ w["up"]) @ w["down"], None
 
     def loss(params, x, y):
-        p = jaxamp.cast_to_bfloat16(params) if hand else params
+        p = jaxamp.migration.mpx.cast_to_bfloat16(params) if hand else params
         h = p["emb"][x] + p["pos"]
         h, _ = jax.lax.scan(jax.checkpoint(block), h, p["layers"])
         logits = (_ln(h, p["lnf"], hand) @ p["emb"].T).astype(F32)

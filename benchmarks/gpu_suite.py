@@ -18,7 +18,7 @@ runs) skip the rest with a reason once the budget runs out inside them.
    batch 8; attention 2% of the FLOPs) with the policies' default size rules:
    ms/step, speed against bf16, MFU (against the bf16 peak), gradient error
    against float32, and the share of matmul FLOPs that ran in 8 bits
-   (``jaxamp.eight_bit_flop_share``). Never measured on a GPU before: the
+   (``jaxamp.tools.eight_bit_flop_share``). Never measured on a GPU before: the
    README's "8-bit at or above bf16's speed where it pays".
 2. ``gpt1024`` (~120 s): the gpt1024 training step of ``gpu_attention.py``
    (d_model 1024, 12 layers, seq 1024, batch 8): fp32, jaxamp bf16, hand-written
@@ -221,7 +221,7 @@ def part_eight_bit(dry_run: bool, budget: Budget) -> dict:
         if "missing" in r:
             continue
         grad = jax.make_jaxpr(jax.grad(found[r["variant"]]))(*shapes)
-        r["eight_bit_flop_share"] = jaxamp.eight_bit_flop_share(grad)
+        r["eight_bit_flop_share"] = jaxamp.tools.eight_bit_flop_share(grad)
         if "step_ms" in bf16:
             r["speedup_vs_bf16"] = bf16["step_ms"] / r["step_ms"]
     note = (

@@ -491,6 +491,7 @@ def map_check(steps: int) -> str:
     from block-quantized moments (linear absmax codes vs bitsandbytes' dynamic
     map, block 256) against float32 moments, after ``steps`` float32 steps of
     the main job's model."""
+    from jaxamp._base._codec import FlatBlocks
     from jaxamp._training import _rounding as r
 
     cfg = tc.Config(steps=steps)
@@ -513,7 +514,7 @@ def map_check(steps: int) -> str:
     mu, nu = state[0].mu, state[0].nu
 
     def linear(x):
-        b = r._blocks(x, 256)
+        b = FlatBlocks(256).split(x)
         scale = jnp.max(jnp.abs(b), axis=1, keepdims=True)
         q = jnp.round(b / jnp.where(scale > 0, scale, 1.0) * 127.0) / 127.0 * scale
         return q.reshape(-1)[: x.size].reshape(x.shape)

@@ -17,7 +17,7 @@ share the CPU: compare the ratio, not absolute times.
 
 **Ranking against ablation** (``--ranking``): per case, the report's
 estimated share of the squared gradient error each scope's restoring removes
-(:meth:`jaxamp.PrecisionReport.scopes`) against the measured one: amp re-run
+(:meth:`jaxamp.tools.PrecisionReport.scopes`) against the measured one: amp re-run
 with that scope alone overridden (an 8-bit scope to the compute dtype, a bf16
 scope to float32, as ``suggest`` does), ``1 - (error / error_all)**2``.
 """
@@ -73,7 +73,7 @@ def depth_row(layers: int, width: int = 256, seq: int = 128, batch: int = 8) -> 
     jax.block_until_ready(jax.jit(jax.value_and_grad(f))(params, x, y))
     step = time.perf_counter() - t0
     t0 = time.perf_counter()
-    report = jaxamp.precision_report(loss, params, x, y)
+    report = jaxamp.precision_report(loss, params, x, y, compute_dtype=jnp.bfloat16)
     took = time.perf_counter() - t0
     return {
         "layers": layers,
@@ -123,7 +123,9 @@ def ranking_row(name: str) -> dict:
     """The report's ranking and the ablation's, for one case."""
     loss, params, x, y, policy = CASES[name]()
     t0 = time.perf_counter()
-    report = jaxamp.precision_report(loss, params, x, y, amp_policy=policy)
+    report = jaxamp.precision_report(
+        loss, params, x, y, compute_dtype=jnp.bfloat16, amp_policy=policy
+    )
     took = time.perf_counter() - t0
     paths = sorted({r.scope for r in report.records})
     est = {k: v for k, v in report.scopes("grad").items() if k}

@@ -183,7 +183,7 @@ def training_step(size, repeats):
                 )
                 / res32,
                 "grad_rel_err": _rel(g, ref),
-                "eight_bit_flop_share": jaxamp.eight_bit_flop_share(grad_jaxpr),
+                "eight_bit_flop_share": jaxamp.tools.eight_bit_flop_share(grad_jaxpr),
             }
         )
         r = rows[-1]

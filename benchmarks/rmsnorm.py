@@ -114,7 +114,7 @@ def make_loss(heads: int, emb_scale: float, hand: bool = False, probe: bool = Fa
         return (x, peak), None
 
     def loss(params, x, y):
-        p = jaxamp.cast_to_bfloat16(params) if hand else params
+        p = jaxamp.migration.mpx.cast_to_bfloat16(params) if hand else params
         h = p["emb"][x] * jnp.asarray(emb_scale, p["emb"].dtype)  # stays bf16 by hand
         (h, peak), _ = jax.lax.scan(block, (h, jnp.zeros((), F32)), p["layers"])
         logits = (rms_norm(h, p["norm_f"], hand) @ p["head"]).astype(F32)

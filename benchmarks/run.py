@@ -146,7 +146,7 @@ def make_loss(
         return x + jax.nn.gelu(h @ w["up"]) @ w["down"], None
 
     def loss(params, x, y):
-        p = jaxamp.cast_to_bfloat16(params) if hand else params
+        p = jaxamp.migration.mpx.cast_to_bfloat16(params) if hand else params
         h = p["emb"][x] + p["pos"]
         if unroll is None:
             body = jax.checkpoint(block) if remat else block
@@ -279,22 +279,22 @@ def measure(size: str, steps: int, trace_repeats: int, device: str) -> list[dict
         value, grads = jax.jit(vg)(params, x, y)
         row = {
             "variant": name,
-            "low_precision_flop_share": jaxamp.low_precision_flop_share(closed),
+            "low_precision_flop_share": jaxamp.tools.low_precision_flop_share(closed),
             "residual_bytes": jaxamp.saved_residual_bytes(loss, params, x, y),
             "trace_s": trace_s,
             "compile_s": compile_s,
             "step_s": step_s,
-            "converts": jaxamp.count_primitive(
+            "converts": jaxamp.tools.count_primitive(
                 jax.make_jaxpr(vg)(params, x, y), "convert_element_type"
             ),
             "loss": float(value),
             "grads": grads,
         }
         if device == "gpu":
-            flops = sum(jaxamp.matmul_flops_by_dtype(closed).values()) + 2 * (
+            flops = sum(jaxamp.tools.matmul_flops_by_dtype(closed).values()) + 2 * (
                 sum(
                     v
-                    for v in jaxamp.matmul_flops_by_dtype(
+                    for v in jaxamp.tools.matmul_flops_by_dtype(
                         jax.make_jaxpr(loss)(params, x, y)
                     ).values()
                 )
@@ -325,7 +325,7 @@ def scaling(trace_repeats: int, layer_counts=(4, 16, 64)) -> list[dict]:
         base = make_loss("tiny", unroll=layers)
         amp = jaxamp.amp(base, compute_dtype=BF16)
         n_eqns = sum(
-            1 for _ in jaxamp.iter_equations(jax.make_jaxpr(base)(params, x, y))
+            1 for _ in jaxamp.tools.iter_equations(jax.make_jaxpr(base)(params, x, y))
         )
         times = _trace_times({"fp32": base, "amp": amp}, (params, x, y), trace_repeats)
         overhead = times["amp"] - times["fp32"]

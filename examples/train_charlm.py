@@ -590,8 +590,8 @@ def train(
         # forward pass into a NaN loss, so these steps are seen and skipped.
         "forward_overflows": int(sum(not math.isfinite(v) for v in losses)),
         "final_loss_scale": float(scaler.scaler),
-        "low_precision_flop_share": jaxamp.low_precision_flop_share(grad_jaxpr),
-        "eight_bit_flop_share": jaxamp.eight_bit_flop_share(grad_jaxpr),
+        "low_precision_flop_share": jaxamp.tools.low_precision_flop_share(grad_jaxpr),
+        "eight_bit_flop_share": jaxamp.tools.eight_bit_flop_share(grad_jaxpr),
         "residual_bytes": jaxamp.saved_residual_bytes(loss, params, x0, y0),
         "sample": sample(loss_forward(mode, cfg), params, val_data, cfg),
         "precision_report": precision,

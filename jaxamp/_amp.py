@@ -62,6 +62,39 @@ DEFAULT_PIPELINE = Pipeline(
 )
 
 
+# The compute dtype where none is given and no jaxamp.migration.haliax.mixed_precision
+# block is
+# open: float16, jaxamp 0.0.4's default (amp's signature is 0.0.4's).
+DEFAULT_COMPUTE_DTYPE = np.dtype(np.float16)
+
+
+class _AmpDefault:
+    """The ``compute_dtype`` default where None means "without amp"
+    (:func:`jaxamp.memory_report`): amp's default, as None is elsewhere."""
+
+    def __repr__(self) -> str:
+        return "AMP_DEFAULT"
+
+
+AMP_DEFAULT = _AmpDefault()
+
+
+def compute_dtype_or_default(compute_dtype: Any) -> np.dtype:
+    """The NumPy dtype ``compute_dtype`` names or, where it is None (or
+    :data:`AMP_DEFAULT`), the default compute dtype of :func:`amp`,
+    :func:`jaxamp.find_overflows`, :func:`jaxamp.precision_report` and
+    :func:`jaxamp.memory_report`: the compute dtype of the enclosing
+    :func:`jaxamp.migration.haliax.mixed_precision` block, read now, else
+    :data:`DEFAULT_COMPUTE_DTYPE` (float16).
+
+    Raises:
+        ValueError: if ``compute_dtype`` names no float dtype.
+    """
+    if compute_dtype is None or compute_dtype is AMP_DEFAULT:
+        compute_dtype = policy_compute_dtype() or DEFAULT_COMPUTE_DTYPE
+    return canonical_dtype(compute_dtype, argname="compute_dtype")
+
+
 def amp(
     fn: Callable | None = None,
     *,
@@ -103,16 +136,17 @@ def amp(
             Variables, ``nnx.Rngs``, ``nnx.Optimizer``) are passed as ``nnx.jit``
             passes them: the Variable updates ``fn`` makes reach the caller's
             objects after the call, each in its Variable's dtype.
-        compute_dtype: the low-precision dtype for matmuls; ``jnp.bfloat16``
-            needs no loss scaling. A dtype or a name such as ``"bf16"``. None
-            (the default): the compute dtype of the enclosing
-            :func:`jaxamp.mixed_precision` block when ``amp`` is called, else
-            ``jnp.float16`` (jaxamp 0.0.4's default).
+        compute_dtype: the low-precision dtype for matmuls (``jnp.bfloat16``
+            needs no loss scaling), or a name such as ``"bf16"``. None: that of
+            the :func:`jaxamp.migration.haliax.mixed_precision` block open when ``amp``
+            is called,
+            else ``jnp.float16`` (jaxamp 0.0.4's); the default, which
+            ``find_overflows``, ``precision_report`` and ``memory_report`` share.
         amp_policy: mapping from primitive objects, primitive names,
             ``jax.named_scope`` names or ``/``-separated scope paths
             (``"layer2/mlp"``; plus ``"amp_stop"`` and ``"amp_default"``) to
             rules ``rule(compute_dtype, original_dtypes, *invars, **params)``
-            or typed policy values (:class:`jaxamp.CastRule`, ...).
+            or typed policy values (:class:`jaxamp.rules.CastRule`, ...).
         overflow_check: make forward overflows visible: where a sum, product,
             power, matmul or narrowing cast turns finite inputs into a
             non-finite float16 (or FP8) value, that value becomes NaN, so the
@@ -138,8 +172,7 @@ def amp(
             you added that matched no primitive and no ``jax.named_scope`` in
             ``fn`` (a typo), naming the closest name.
     """
-    if compute_dtype is None:  # the policy of an enclosing mixed_precision block
-        compute_dtype = policy_compute_dtype() or jnp.float16
+    compute_dtype = compute_dtype_or_default(compute_dtype)
     amp_policy = _residuals.with_residual_dtype(amp_policy, residual_dtype)
     return amp_with(fn, compute_dtype, amp_policy, overflow_check, DEFAULT_PIPELINE)
 
@@ -242,13 +275,14 @@ def ablated(
     def amp_ablated(
         fn: Callable | None = None,
         *,
-        compute_dtype: Any = jnp.float16,
+        compute_dtype: Any = None,
         amp_policy: Mapping[Any, Rule] = default_amp_policy,
         overflow_check: bool | None = None,
         residual_dtype: Any = None,
     ) -> Callable:
         policy = _residuals.with_residual_dtype(amp_policy, residual_dtype)
-        return amp_with(fn, compute_dtype, policy, overflow_check, pipeline)
+        dtype = compute_dtype_or_default(compute_dtype)
+        return amp_with(fn, dtype, policy, overflow_check, pipeline)
 
     return amp_ablated
 

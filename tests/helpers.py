@@ -1,8 +1,8 @@
 """Small helpers shared by the tests: pytree comparisons, bfloat16 rounding and
 the main job's smallest configuration.
 
-Jaxpr walking lives in the package (``jaxamp.primitive_dtypes``,
-``jaxamp.matmul_flops_by_dtype``, ``jaxamp.iter_equations``).
+Jaxpr walking lives in the package (``jaxamp.tools.primitive_dtypes``,
+``jaxamp.tools.matmul_flops_by_dtype``, ``jaxamp.tools.iter_equations``).
 """
 
 import jax

@@ -17,7 +17,7 @@ W = jnp.linspace(-1, 1, 20, dtype=jnp.float32).reshape(4, 5)
 
 def eqns(closed):
     """All equations of a jaxpr and of its sub-jaxprs, depth first."""
-    return (e for e, _ in jaxamp.iter_equations(closed))
+    return (e for e, _ in jaxamp.tools.iter_equations(closed))
 
 
 def dots(closed):
@@ -211,7 +211,9 @@ def test_user_casts_are_respected():
 
 
 def test_force_full_precision():
-    @jaxamp.force_full_precision
+    from jaxamp.migration._mpx import force_full_precision
+
+    @force_full_precision  # float32 outputs (mpx's: float16)
     def head(x, w):
         return x @ w
 

@@ -43,7 +43,7 @@ def test_dot_flops_and_recursion():
         z = _jvp_matmul(z, b)  # 1024
         return z
 
-    flops = jaxamp.matmul_flops_by_dtype(jax.make_jaxpr(f)(A, B))
+    flops = jaxamp.tools.matmul_flops_by_dtype(jax.make_jaxpr(f)(A, B))
     assert flops == {"float32": 1024 * 3 + 3 * 2048 + 2 * 1024}
 
 
@@ -53,7 +53,7 @@ def test_nested_scan_weights_multiply():
         outer = lambda c, _: (lax.scan(inner, c, None, length=3)[0], None)
         return lax.scan(outer, a, None, length=5)[0]
 
-    assert jaxamp.matmul_flops_by_dtype(jax.make_jaxpr(f)(A, B)) == {
+    assert jaxamp.tools.matmul_flops_by_dtype(jax.make_jaxpr(f)(A, B)) == {
         "float32": 5 * 3 * 2048
     }
 
@@ -64,7 +64,7 @@ def test_cond_counts_costliest_branch_and_while_counts_once():
         one = lambda u: (u @ b)[:, :8]  # 1024
         return lax.cond(p, one, two, a)
 
-    assert jaxamp.matmul_flops_by_dtype(jax.make_jaxpr(f)(True, A, B)) == {
+    assert jaxamp.tools.matmul_flops_by_dtype(jax.make_jaxpr(f)(True, A, B)) == {
         "float32": 2048
     }
 
@@ -73,23 +73,27 @@ def test_cond_counts_costliest_branch_and_while_counts_once():
         return lax.while_loop(lambda c: c[0] < 10, body, (0, a))[1]
 
     # The trip count (10) is not static: the body counts once.
-    assert jaxamp.matmul_flops_by_dtype(jax.make_jaxpr(g)(A, B)) == {"float32": 2048}
+    assert jaxamp.tools.matmul_flops_by_dtype(jax.make_jaxpr(g)(A, B)) == {
+        "float32": 2048
+    }
     # count_primitive counts code, not executions: one dot_general per branch.
-    assert jaxamp.count_primitive(jax.make_jaxpr(f)(True, A, B), "dot_general") == 3
+    assert (
+        jaxamp.tools.count_primitive(jax.make_jaxpr(f)(True, A, B), "dot_general") == 3
+    )
 
 
 def test_batched_dot_and_conv_flops():
     a, b = jnp.ones((5, 4, 8)), jnp.ones((5, 8, 16))
-    flops = jaxamp.matmul_flops_by_dtype(jax.make_jaxpr(jnp.matmul)(a, b))
+    flops = jaxamp.tools.matmul_flops_by_dtype(jax.make_jaxpr(jnp.matmul)(a, b))
     assert flops == {"float32": 5 * MATMUL}
     # Batch dimension in the middle of both operands: 'bik,kbj'-like layouts.
     dn = (((2,), (0,)), ((1,), (1,)))
     lhs, rhs = jnp.ones((4, 5, 8)), jnp.ones((8, 5, 16))
     closed = jax.make_jaxpr(lambda u, v: lax.dot_general(u, v, dn))(lhs, rhs)
-    assert jaxamp.matmul_flops_by_dtype(closed) == {"float32": 5 * MATMUL}
+    assert jaxamp.tools.matmul_flops_by_dtype(closed) == {"float32": 5 * MATMUL}
     x, k = jnp.ones((2, 3, 10, 10)), jnp.ones((6, 3, 3, 3))  # NCHW, OIHW
     conv = lambda x, k: lax.conv(x, k, (1, 1), "VALID")  # out (2, 6, 8, 8)
-    flops = jaxamp.matmul_flops_by_dtype(jax.make_jaxpr(conv)(x, k))
+    flops = jaxamp.tools.matmul_flops_by_dtype(jax.make_jaxpr(conv)(x, k))
     assert flops == {"float32": 2 * (2 * 6 * 8 * 8) * 3 * 9}
 
 
@@ -99,7 +103,7 @@ def test_grouped_conv_flops():
     conv = lambda x, k: lax.conv_general_dilated(
         x, k, (1, 1), "VALID", feature_group_count=3
     )  # out (2, 9, 8, 8)
-    flops = jaxamp.matmul_flops_by_dtype(jax.make_jaxpr(conv)(x, k))
+    flops = jaxamp.tools.matmul_flops_by_dtype(jax.make_jaxpr(conv)(x, k))
     assert flops == {"float32": 2 * (2 * 9 * 8 * 8) * 2 * 9}
 
 
@@ -109,7 +113,7 @@ def test_ragged_dot_flops():
     lhs, rhs = jnp.ones((6, 8)), jnp.ones((3, 8, 16))
     sizes = jnp.array([1, 2, 3], jnp.int32)
     closed = jax.make_jaxpr(lax.ragged_dot)(lhs, rhs, sizes)
-    assert jaxamp.matmul_flops_by_dtype(closed) == {"float32": 2 * 6 * 8 * 16}
+    assert jaxamp.tools.matmul_flops_by_dtype(closed) == {"float32": 2 * 6 * 8 * 16}
 
 
 def test_shard_map_flops_are_global():
@@ -119,7 +123,7 @@ def test_shard_map_flops_are_global():
     )
     x = jnp.ones((16, 8))
     closed = jax.make_jaxpr(f)(x, B)
-    assert jaxamp.matmul_flops_by_dtype(closed) == {"float32": 2 * 16 * 8 * 16}
+    assert jaxamp.tools.matmul_flops_by_dtype(closed) == {"float32": 2 * 16 * 8 * 16}
 
 
 def test_low_precision_share_and_mixed_keys():
@@ -127,44 +131,46 @@ def test_low_precision_share_and_mixed_keys():
         low = a.astype(jnp.bfloat16) @ b.astype(jnp.bfloat16)
         return low.astype(jnp.float32).sum() + (a @ b).sum()
 
-    assert jaxamp.low_precision_flop_share(jax.make_jaxpr(f)(A, B)) == 0.5
+    assert jaxamp.tools.low_precision_flop_share(jax.make_jaxpr(f)(A, B)) == 0.5
     g = lambda a, b: lax.dot(
         a.astype(jnp.bfloat16), b, preferred_element_type=jnp.float32
     )
     with jax.numpy_dtype_promotion("standard"):  # a mixed-dtype product on purpose
         mixed = jax.make_jaxpr(g)(A, B)
-    assert jaxamp.matmul_flops_by_dtype(mixed) == {"bfloat16 x float32": MATMUL}
-    assert jaxamp.low_precision_flop_share(mixed) == 0.0
-    assert jaxamp.low_precision_flop_share(jax.make_jaxpr(jnp.sin)(A)) == 0.0
-    assert jaxamp.matmul_flops_by_dtype(jax.make_jaxpr(jnp.sin)(A)) == {}
+    assert jaxamp.tools.matmul_flops_by_dtype(mixed) == {"bfloat16 x float32": MATMUL}
+    assert jaxamp.tools.low_precision_flop_share(mixed) == 0.0
+    assert jaxamp.tools.low_precision_flop_share(jax.make_jaxpr(jnp.sin)(A)) == 0.0
+    assert jaxamp.tools.matmul_flops_by_dtype(jax.make_jaxpr(jnp.sin)(A)) == {}
 
 
 def test_share_of_amp_gradient():
     f = lambda a, b: jnp.tanh(a @ b).sum()
     closed = jax.make_jaxpr(jax.grad(jaxamp.amp(f, compute_dtype=jnp.bfloat16)))
-    flops = jaxamp.matmul_flops_by_dtype(closed(A, B))
+    flops = jaxamp.tools.matmul_flops_by_dtype(closed(A, B))
     # Forward product and the cotangent of a: (4,16)@(16,8), 1024 each.
     assert flops == {"bfloat16": 2 * MATMUL}
-    assert jaxamp.low_precision_flop_share(closed(A, B)) == 1.0
+    assert jaxamp.tools.low_precision_flop_share(closed(A, B)) == 1.0
 
 
 def test_count_and_primitive_dtypes():
     f = lambda a: jax.jit(lambda u: jnp.exp(u.astype(jnp.bfloat16)))(a)
     closed = jax.make_jaxpr(f)(A)
-    assert jaxamp.count_primitive(closed, "convert_element_type") == 1
-    assert jaxamp.count_primitive(closed, "jit") == 1
-    table = jaxamp.primitive_dtypes(closed)
+    assert jaxamp.tools.count_primitive(closed, "convert_element_type") == 1
+    assert jaxamp.tools.count_primitive(closed, "jit") == 1
+    table = jaxamp.tools.primitive_dtypes(closed)
     assert table[0][0] == "jit"  # depth first: the jit before its body
     assert ("exp", (BF16,), (BF16,)) in table
     # Under amp the same exp runs in float32 (DESIGN.md's float32 family).
     g = jaxamp.amp(lambda a: jnp.exp(a @ B).sum(), compute_dtype=jnp.bfloat16)
-    exps = [e for e in jaxamp.primitive_dtypes(jax.make_jaxpr(g)(A)) if e[0] == "exp"]
+    exps = [
+        e for e in jaxamp.tools.primitive_dtypes(jax.make_jaxpr(g)(A)) if e[0] == "exp"
+    ]
     assert exps == [("exp", (F32,), (F32,))]
 
 
 def test_scan_body_counted_once_by_count_primitive():
     f = lambda a: lax.scan(lambda c, _: (jnp.sin(c), None), a, None, length=7)[0]
-    assert jaxamp.count_primitive(jax.make_jaxpr(f)(A), "sin") == 1
+    assert jaxamp.tools.count_primitive(jax.make_jaxpr(f)(A), "sin") == 1
 
 
 def test_saved_residual_bytes_by_hand():
@@ -211,11 +217,11 @@ def test_saved_residual_bytes_of_a_product_is_zero():
 @pytest.mark.parametrize(
     "helper",
     [
-        jaxamp.matmul_flops_by_dtype,
-        jaxamp.low_precision_flop_share,
-        jaxamp.primitive_dtypes,
-        lambda c: jaxamp.count_primitive(c, "exp"),
-        lambda c: list(jaxamp.iter_equations(c)),
+        jaxamp.tools.matmul_flops_by_dtype,
+        jaxamp.tools.low_precision_flop_share,
+        jaxamp.tools.primitive_dtypes,
+        lambda c: jaxamp.tools.count_primitive(c, "exp"),
+        lambda c: list(jaxamp.tools.iter_equations(c)),
     ],
 )
 def test_not_a_jaxpr(helper):

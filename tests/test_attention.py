@@ -47,7 +47,7 @@ def _dots(fn, *args):
 
 def _dots_of(closed):
     out = []
-    for eqn, _ in jaxamp.iter_equations(closed):
+    for eqn, _ in jaxamp.tools.iter_equations(closed):
         if eqn.primitive.name == "dot_general":
             ins = tuple(np.dtype(v.aval.dtype) for v in eqn.invars)
             out.append((ins, np.dtype(eqn.params["preferred_element_type"])))
@@ -61,7 +61,7 @@ def _names(fn, *args):
 def _names_of(closed):
     return [
         str(e.params.get("name", e.primitive.name))
-        for e, _ in jaxamp.iter_equations(closed)
+        for e, _ in jaxamp.tools.iter_equations(closed)
     ]
 
 
@@ -74,7 +74,7 @@ def _fused(fn, *args):
 def _fused_of(closed):
     return sum(
         _attention.FUSED_SCOPE in _compat.scope_names(eqn)
-        for eqn, _ in jaxamp.iter_equations(closed)
+        for eqn, _ in jaxamp.tools.iter_equations(closed)
     )
 
 

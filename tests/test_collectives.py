@@ -50,7 +50,7 @@ def _rms_norm(h, total, axis=None):
 def _low_subs(closed):
     return [
         e
-        for e, _ in jaxamp.iter_equations(closed)
+        for e, _ in jaxamp.tools.iter_equations(closed)
         if e.primitive.name == "sub" and e.outvars[0].aval.dtype == BF16
     ]
 
@@ -110,7 +110,7 @@ def test_all_gathered_statistics_in_shard_map():
     # The facts pass marks the body's ``h - mean`` as a centring.
     (body,) = [
         e.params["jaxpr"]
-        for e, _ in jaxamp.iter_equations(jax.make_jaxpr(sharded)(p, x))
+        for e, _ in jaxamp.tools.iter_equations(jax.make_jaxpr(sharded)(p, x))
         if e.primitive.name == "shard_map"
     ]
     body = getattr(body, "jaxpr", body)

@@ -1,4 +1,4 @@
-"""The migration namespaces (jaxamp/compat/): ``from jaxamp.compat import jmp``
+"""The migration namespaces (jaxamp/migration/): ``from jaxamp.migration import jmp``
 (and ``mpx``, ``haliax``) holds that library's names, so a port is an import
 change (docs/migration.md)."""
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jaxamp
-from jaxamp.compat import haliax, jmp, mpx
+from jaxamp.migration import haliax, jmp, mpx
 
 F16, F32, BF16 = np.dtype(jnp.float16), np.dtype(jnp.float32), np.dtype(jnp.bfloat16)
 
@@ -34,16 +34,22 @@ def test_every_public_name_of_the_library_is_ported(library):
     ours = {"jmp": jmp, "mpx": mpx}[library]
     public = {n for n in dir(original) if not n.startswith("_")}
     missing = sorted(public - NOT_PORTED[library] - set(ours.__all__))
-    assert not missing, f"jaxamp.compat.{library} lacks {missing}"
+    assert not missing, f"jaxamp.migration.{library} lacks {missing}"
 
 
 def test_top_level_names_are_the_namespaces_objects():
-    # Code written against ``jaxamp.X`` keeps working, with the same objects.
+    # Code written against ``jaxamp.X`` keeps working for a release, with the
+    # same objects and a warning naming the namespace.
+    served = set()
     for ns in (jmp, mpx, haliax):
         for name in ns.__all__:
-            if hasattr(jaxamp, name) and name != "force_full_precision":
-                assert getattr(jaxamp, name) is getattr(ns, name), name
-    assert "compat" in jaxamp.__all__
+            if jaxamp._MOVED.get(name, "").startswith("migration."):
+                with pytest.warns(DeprecationWarning, match="jaxamp.migration"):
+                    obj = getattr(jaxamp, name)
+                assert obj is getattr(ns, name), name
+                served.add(name)
+    assert served == {n for n, h in jaxamp._MOVED.items() if "migration" in h}
+    assert "migration" in jaxamp.__all__
     assert not {"get_policy", "cast_to_half", "filter_grad"} & set(jaxamp.__all__)
 
 
@@ -57,8 +63,10 @@ def test_mpx_force_full_precision_casts_outputs_to_float16_as_mpx():
     assert a.dtype == b.dtype == F16
     (c, _) = mpx.force_full_precision(f, jnp.bfloat16)(x)
     assert c.dtype == BF16
-    # jaxamp's own name keeps float32 unless a return dtype is given.
-    assert jaxamp.force_full_precision(f)(x)[0].dtype == F32
+    # The deprecated top-level name keeps float32 unless a return dtype is given.
+    from jaxamp.migration._mpx import force_full_precision
+
+    assert force_full_precision(f)(x)[0].dtype == F32
     real = pytest.importorskip("mpx")
     assert real.force_full_precision(f)(x)[0].dtype == a.dtype
 

@@ -235,7 +235,9 @@ def test_charlm_8bit_modes_run_their_matmuls_in_8_bits(mode):
     params = train_charlm.init_params(jax.random.key(0), cfg)
     x = np.zeros((2, 16), np.int32)
     loss = train_charlm.mode_loss(mode, cfg)
-    share = jaxamp.eight_bit_flop_share(jax.make_jaxpr(jax.grad(loss))(params, x, x))
+    share = jaxamp.tools.eight_bit_flop_share(
+        jax.make_jaxpr(jax.grad(loss))(params, x, x)
+    )
     assert share > 0.5
 
 

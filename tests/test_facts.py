@@ -33,7 +33,7 @@ def rounded(x, dtype):
 def eqn_dtypes(closed, name):
     return [
         (tuple(v.aval.dtype for v in e.invars), tuple(v.aval.dtype for v in e.outvars))
-        for e, _ in jaxamp.iter_equations(closed)
+        for e, _ in jaxamp.tools.iter_equations(closed)
         if e.primitive.name == name
     ]
 
@@ -152,7 +152,7 @@ def test_float16_squares_norms_and_statistics_match_float32(name):
     assert rel_l2(g, g_ref) < 1e-2
     # Every square of the forward and backward pass runs in float32.
     closed = jax.make_jaxpr(jax.grad(amp_loss))(*args)
-    for e, _ in jaxamp.iter_equations(closed):
+    for e, _ in jaxamp.tools.iter_equations(closed):
         if e.primitive.name == "square" or (
             e.primitive.name == "integer_pow" and abs(e.params["y"]) >= 2
         ):
@@ -210,7 +210,7 @@ def test_layer_norm_centring_float32_gain_bfloat16(name):
     closed = jax.make_jaxpr(jaxamp.amp(f, compute_dtype=jnp.bfloat16))(w, x)
     full = [
         (e.primitive.name, e.outvars[0].aval.dtype)
-        for e, _ in jaxamp.iter_equations(closed)
+        for e, _ in jaxamp.tools.iter_equations(closed)
         if e.primitive.name in ("sub", "mul", "add")
         and e.outvars[0].aval.shape[-1:] == (32,)
         and e.outvars[0].aval.ndim >= 1
@@ -269,7 +269,10 @@ def test_widened_squares_save_no_float32_copy():
         return (_layer_norm(x @ w) @ w).sum()
 
     w, _, x = _inputs()
-    unsafe = {**jaxamp.default_amp_policy, "square": jaxamp.follow_compute_precision}
+    unsafe = {
+        **jaxamp.default_amp_policy,
+        "square": jaxamp.rules.follow_compute_precision,
+    }
     safe_bytes = jaxamp.saved_residual_bytes(
         jaxamp.amp(f, compute_dtype=jnp.bfloat16), w, x
     )
@@ -299,7 +302,7 @@ def test_squares_have_their_own_checkpoint_outside_a_users_only():
         closed = jax.make_jaxpr(jaxamp.amp(fn, compute_dtype=jnp.bfloat16))(*args)
         return sum(
             [e.primitive.name for e in r.params["jaxpr"].eqns] == ["integer_pow"]
-            for r, _ in jaxamp.iter_equations(closed)
+            for r, _ in jaxamp.tools.iter_equations(closed)
             if r.primitive.name == "remat2"
         )
 
@@ -403,7 +406,7 @@ def test_rms_norm_scaling_float32_readers_bfloat16(name):
         closed = jax.make_jaxpr(amp(f, compute_dtype=jnp.bfloat16))(w, x)
         full = [
             (e.primitive.name, e.outvars[0].aval.dtype)
-            for e, _ in jaxamp.iter_equations(closed)
+            for e, _ in jaxamp.tools.iter_equations(closed)
             if e.primitive.name in ("mul", "div") and e.outvars[0].aval.shape == x.shape
         ]
         dots = eqn_dtypes(closed, "dot_general")
@@ -486,7 +489,7 @@ def test_rms_norm_casts_its_input_to_float32_once(name):
     closed = jax.make_jaxpr(jaxamp.amp(f, compute_dtype=jnp.bfloat16))(w, x)
     widened = [
         e
-        for e, _ in jaxamp.iter_equations(closed)
+        for e, _ in jaxamp.tools.iter_equations(closed)
         if e.primitive.name == "convert_element_type"
         and e.invars[0].aval.dtype == BF16
         and e.outvars[0].aval.dtype == F32
@@ -737,7 +740,9 @@ def test_log_space_carry_is_not_narrowed_residual_stream_is():
 
     w, x = jnp.eye(4) / 2, jnp.ones((6, 4))
     closed = jax.make_jaxpr(jaxamp.amp(f, compute_dtype=BF16))(w, x)
-    scans = [e for e, _ in jaxamp.iter_equations(closed) if e.primitive.name == "scan"]
+    scans = [
+        e for e, _ in jaxamp.tools.iter_equations(closed) if e.primitive.name == "scan"
+    ]
     assert [s.outvars[0].aval.dtype for s in scans] == [F32, BF16]
 
 
@@ -815,7 +820,7 @@ def test_barrier_only_on_transposed_float32_products():
 
     def barriers(f):
         closed = jax.make_jaxpr(jaxamp.amp(f, compute_dtype=jnp.bfloat16))(w, x)
-        names = [e.primitive.name for e, _ in jaxamp.iter_equations(closed)]
+        names = [e.primitive.name for e, _ in jaxamp.tools.iter_equations(closed)]
         return [n for n in names if n == "optimization_barrier"]
 
     vmapped = lambda w, x: jax.nn.logsumexp(jax.vmap(lambda r: w @ r)(x), -1).sum()

@@ -35,9 +35,9 @@ def matmul_error_bound(a, b, fmt_a=E4M3, fmt_b=E4M3, scale_a=None, scale_b=None)
     """Elementwise bound on |fp8(a) @ fp8(b) - a @ b| (module docstring), in
     float64 numpy."""
     if scale_a is None:
-        scale_a = jaxamp.quantize(a, fmt_a)[1]
+        scale_a = jaxamp.quant.quantize(a, fmt_a)[1]
     if scale_b is None:
-        scale_b = jaxamp.quantize(b, fmt_b)[1]
+        scale_b = jaxamp.quant.quantize(b, fmt_b)[1]
     ua, ub = U[fmt_a], U[fmt_b]
     da = HALF_SUBNORMAL[fmt_a] / float(scale_a)
     db = HALF_SUBNORMAL[fmt_b] / float(scale_b)
@@ -68,7 +68,7 @@ def test_products_of_representable_inputs_are_exact():
     # amax 448: scale 1, so quantization is the identity.
     x = representable(jax.random.key(0), (8, 32), 448.0)
     w = representable(jax.random.key(1), (32, 16), 448.0)
-    out = jaxamp.fp8_dot_general(x, w, DN, F32)
+    out = jaxamp.quant.fp8_dot_general(x, w, DN, F32)
     # Products of e4m3 values are exact in float32; only summation order differs:
     # at most K * 2**-24 of the sum of |products|.
     tol = 32 * 2.0**-24 * (np.abs(f64(x)) @ np.abs(f64(w)))
@@ -78,7 +78,7 @@ def test_products_of_representable_inputs_are_exact():
 def test_random_inputs_within_the_fp8_error_bound():
     x = jax.random.normal(jax.random.key(2), (16, 64))
     w = jax.random.normal(jax.random.key(3), (64, 8)) * 3.0
-    out = jaxamp.fp8_dot_general(x, w, DN, F32)
+    out = jaxamp.quant.fp8_dot_general(x, w, DN, F32)
     err = np.abs(f64(out) - f64(x) @ f64(w))
     assert np.all(err <= matmul_error_bound(x, w))
     assert err.max() > 0  # it really is quantized
@@ -89,30 +89,30 @@ def test_power_of_two_scales_are_exact_on_scaled_representable_inputs():
     # the power-of-two scale 2**20 maps the values onto E4M3 exactly.
     x = representable(jax.random.key(9), (8, 32), 320.0) * 2.0**-20
     w = representable(jax.random.key(10), (32, 16), 320.0)
-    q, s = jaxamp.quantize(x, E4M3, power_of_two=True)
+    q, s = jaxamp.quant.quantize(x, E4M3, power_of_two=True)
     assert float(s) == 2.0**20
-    _, s_plain = jaxamp.quantize(x, E4M3)
+    _, s_plain = jaxamp.quant.quantize(x, E4M3)
     assert float(s) <= float(s_plain) < 2 * float(s)
     ref = f64(x) @ f64(w)
     tol = 32 * 2.0**-24 * (np.abs(f64(x)) @ np.abs(f64(w)))
-    exact = jaxamp.fp8_dot_general(x, w, DN, F32, 0, True)
+    exact = jaxamp.quant.fp8_dot_general(x, w, DN, F32, 0, True)
     assert np.all(np.abs(f64(exact) - ref) <= tol)
-    plain = jaxamp.fp8_dot_general(x, w, DN, F32)
+    plain = jaxamp.quant.fp8_dot_general(x, w, DN, F32)
     assert np.abs(f64(plain) - ref).max() > 10 * tol.max()
 
 
 def test_zeros_large_and_non_finite_inputs():
     z = jnp.zeros((4, 8))
     w = jax.random.normal(jax.random.key(4), (8, 3))
-    assert float(jnp.abs(jaxamp.fp8_dot_general(z, w, DN, F32)).max()) == 0.0
+    assert float(jnp.abs(jaxamp.quant.fp8_dot_general(z, w, DN, F32)).max()) == 0.0
     big = jax.random.normal(jax.random.key(5), (4, 8)) * 1e30
-    out = jaxamp.fp8_dot_general(big, w, DN, F32)
+    out = jaxamp.quant.fp8_dot_general(big, w, DN, F32)
     assert bool(jnp.all(jnp.isfinite(out)))
     err = np.abs(f64(out) - f64(big) @ f64(w))
     assert np.all(err <= matmul_error_bound(big, w))
     for bad in (jnp.inf, -jnp.inf, jnp.nan):
         x = z.at[1, 2].set(bad)
-        out = jaxamp.fp8_dot_general(x, w, DN, F32)
+        out = jaxamp.quant.fp8_dot_general(x, w, DN, F32)
         assert not bool(jnp.all(jnp.isfinite(out[1])))
 
 
@@ -122,7 +122,7 @@ def test_tiny_scales_neither_overflow_nor_vanish(sx, sw):
     # the scales must never be formed, and scales are capped at 2**126.
     x = jax.random.normal(jax.random.key(11), (4, 8)) * sx
     w = jax.random.normal(jax.random.key(12), (8, 3)) * sw
-    out = jaxamp.fp8_dot_general(x, w, DN, F32)
+    out = jaxamp.quant.fp8_dot_general(x, w, DN, F32)
     assert bool(jnp.all(jnp.isfinite(out)))
     ref = f64(x) @ f64(w)
     assert np.all(np.abs(f64(out) - ref) <= matmul_error_bound(x, w))
@@ -131,15 +131,15 @@ def test_tiny_scales_neither_overflow_nor_vanish(sx, sw):
 
 def test_quantize_scales_to_the_format_maximum():
     x = jnp.array([[-2.0, 0.5], [1.0, 0.25]])
-    q, s = jaxamp.quantize(x, E4M3)
+    q, s = jaxamp.quant.quantize(x, E4M3)
     assert q.dtype == E4M3 and float(s) == 448.0 / 2.0
     assert float(jnp.abs(q.astype(F32)).max()) == 448.0
-    q1, s1 = jaxamp.quantize(x, E4M3, margin=1)
+    q1, s1 = jaxamp.quant.quantize(x, E4M3, margin=1)
     assert float(s1) == float(s) / 2
     assert float(jnp.abs(q1.astype(F32)).max()) == 224.0
-    q5, s5 = jaxamp.quantize(x, E5M2)
+    q5, s5 = jaxamp.quant.quantize(x, E5M2)
     assert q5.dtype == E5M2 and float(s5) == 57344.0 / 2.0
-    _, s0 = jaxamp.quantize(jnp.zeros(3), E4M3)
+    _, s0 = jaxamp.quant.quantize(jnp.zeros(3), E4M3)
     assert float(s0) == 1.0
 
 
@@ -147,11 +147,11 @@ def test_gradients_are_fp8_products_within_their_bound():
     x = jax.random.normal(jax.random.key(13), (16, 32))
     w = jax.random.normal(jax.random.key(14), (32, 8)) * 0.5
     g = jax.random.normal(jax.random.key(15), (16, 8)) * 1e-3
-    out, vjp = jax.vjp(lambda a, b: jaxamp.fp8_dot_general(a, b, DN, F32), x, w)
+    out, vjp = jax.vjp(lambda a, b: jaxamp.quant.fp8_dot_general(a, b, DN, F32), x, w)
     dx, dw = vjp(g)
     assert out.dtype == F32 and dx.dtype == F32 and dw.dtype == F32
     # dx = g @ w.T (E5M2 x E4M3), dw = x.T @ g (E4M3 x E5M2).
-    sx, sw = jaxamp.quantize(x, E4M3)[1], jaxamp.quantize(w, E4M3)[1]
+    sx, sw = jaxamp.quant.quantize(x, E4M3)[1], jaxamp.quant.quantize(w, E4M3)[1]
     err_dx = np.abs(f64(dx) - f64(g) @ f64(w).T)
     err_dw = np.abs(f64(dw) - f64(x).T @ f64(g))
     assert np.all(err_dx <= matmul_error_bound(g, w.T, E5M2, E4M3, None, sw))
@@ -162,7 +162,7 @@ def test_gradients_are_fp8_products_within_their_bound():
 def test_non_finite_cotangent_reaches_the_gradients():
     x = jax.random.normal(jax.random.key(16), (4, 8))
     w = jax.random.normal(jax.random.key(17), (8, 3))
-    _, vjp = jax.vjp(lambda a, b: jaxamp.fp8_dot_general(a, b, DN, BF16), x, w)
+    _, vjp = jax.vjp(lambda a, b: jaxamp.quant.fp8_dot_general(a, b, DN, BF16), x, w)
     g = jnp.ones((4, 3), BF16).at[2, 1].set(jnp.inf)
     grads = vjp(g)
     assert not bool(jaxamp.all_finite(grads))
@@ -178,7 +178,7 @@ def test_batched_dimension_numbers_match_float32_gradients():
     def loss(dot, a, b):
         return jnp.square(dot(a, b)).mean()
 
-    fp8 = lambda a, b: jaxamp.fp8_dot_general(a, b, dn, F32)
+    fp8 = lambda a, b: jaxamp.quant.fp8_dot_general(a, b, dn, F32)
     ref = lambda a, b: lax.dot_general(a, b, dn)
     out = fp8(q, k)
     assert out.shape == (3, 5, 7)
@@ -210,7 +210,7 @@ def test_data_parallel_scales_are_global():
     c = jax.random.normal(jax.random.key(25), (64, 16))
 
     def loss(w, x, c):
-        return jnp.sum(jaxamp.fp8_dot_general(x, w, DN, F32) * c)
+        return jnp.sum(jaxamp.quant.fp8_dot_general(x, w, DN, F32) * c)
 
     step = jax.jit(jax.value_and_grad(loss, (0, 1)))
     ref_v, ref_g = step(w, x, c)
@@ -247,7 +247,7 @@ def _dot_dtypes(closed):
     """Operand dtypes of every dot_general, and how many sit in sub-jaxprs."""
     top = {id(e) for e in closed.eqns}  # the outermost jaxpr's own equations
     dots, nested = [], 0
-    for eqn, _ in jaxamp.iter_equations(closed):
+    for eqn, _ in jaxamp.tools.iter_equations(closed):
         if eqn.primitive.name == "dot_general":
             dots.append(tuple(np.dtype(v.aval.dtype) for v in eqn.invars))
             nested += id(eqn) not in top
@@ -279,7 +279,7 @@ def test_fp8_gradients_close_to_float32():
 
 
 def _dots(f):
-    table = jaxamp.primitive_dtypes(jax.make_jaxpr(f)(WS, X))
+    table = jaxamp.tools.primitive_dtypes(jax.make_jaxpr(f)(WS, X))
     return [ins for n, ins, _ in table if n == "dot_general"]
 
 
@@ -328,7 +328,7 @@ def test_fp8_policy_scopes(kwargs, expected):
     assert [names[d] for d in _dots(f)] == expected
     # Other primitives in an FP8 scope keep the default rules: tanh follows bf16,
     # the final sum of squares runs in float32.
-    table = jaxamp.primitive_dtypes(jax.make_jaxpr(f)(WS, X))
+    table = jaxamp.tools.primitive_dtypes(jax.make_jaxpr(f)(WS, X))
     assert [ins for n, ins, _ in table if n == "tanh"] == [(BF16,)]
     assert [ins for n, ins, _ in table if n == "reduce_sum"] == [(F32,)]
 
@@ -342,7 +342,7 @@ def test_fp8_policy_rejects_a_bare_string():
 
 def test_quantize_rejects_a_dtype_that_is_not_8_bit():
     with pytest.raises(ValueError, match="dtype must be an 8-bit float"):
-        jaxamp.quantize(jnp.ones(3), jnp.float16)
+        jaxamp.quant.quantize(jnp.ones(3), jnp.float16)
 
 
 def test_fp8_policy_equals_the_preset():
@@ -369,7 +369,7 @@ def test_user_quantized_operands_are_bound_unchanged():
     x = jax.random.normal(jax.random.key(20), (4, 8))
     w = jax.random.normal(jax.random.key(21), (8, 3))
     g = jaxamp.amp(f, compute_dtype=BF16, amp_policy=FP8_ALL)
-    table = jaxamp.primitive_dtypes(jax.make_jaxpr(g)(x, w))
+    table = jaxamp.tools.primitive_dtypes(jax.make_jaxpr(g)(x, w))
     assert [(i, o) for n, i, o in table if n == "dot_general"] == [
         ((E4M3, E5M2), (F32,))
     ]
@@ -378,7 +378,7 @@ def test_user_quantized_operands_are_bound_unchanged():
 
 @pytest.mark.parametrize("margin, power_of_two", [(0, False), (2, False), (1, True)])
 def test_fp8_rule_options(margin, power_of_two):
-    rule = jaxamp.fp8_rule(
+    rule = jaxamp.quant.fp8_rule(
         margin=margin,
         power_of_two=power_of_two,
         size_rule=None,
@@ -390,8 +390,8 @@ def test_fp8_rule_options(margin, power_of_two):
     params = dict(dimension_numbers=DN, precision=None, preferred_element_type=F32)
     out = rule(F32, [F32, F32], x, w, **params)
     assert out.dtype == F32
-    sx = jaxamp.quantize(x, E4M3, margin, power_of_two)[1]
-    sw = jaxamp.quantize(w, E4M3, margin, power_of_two)[1]
+    sx = jaxamp.quant.quantize(x, E4M3, margin, power_of_two)[1]
+    sw = jaxamp.quant.quantize(w, E4M3, margin, power_of_two)[1]
     assert float(sx) * float(jnp.abs(x).max()) <= 448.0 / 2**margin * (1 + 1e-6)
     bound = matmul_error_bound(x, w, scale_a=sx, scale_b=sw)
     assert np.all(np.abs(f64(out) - f64(x) @ f64(w)) <= bound)
@@ -415,7 +415,7 @@ def test_default_size_rule_keeps_small_matmuls_in_the_compute_dtype():
         ((1, 8, 64, 1040), "fp8", ""),
     ]
     small = jaxamp.fp8_policy(
-        size_rule=jaxamp.min_matmul_size(n=17), quantize_last_matmul=True
+        size_rule=jaxamp.quant.min_matmul_size(n=17), quantize_last_matmul=True
     )
     g = jaxamp.amp(f, compute_dtype=BF16, amp_policy=small)
     assert _dots_of(g, *args) == [(BF16, BF16), (E4M3, E4M3)]
@@ -426,7 +426,7 @@ def test_default_size_rule_keeps_small_matmuls_in_the_compute_dtype():
 
 
 def _dots_of(f, *args):
-    table = jaxamp.primitive_dtypes(jax.make_jaxpr(f)(*args))
+    table = jaxamp.tools.primitive_dtypes(jax.make_jaxpr(f)(*args))
     return [ins for n, ins, _ in table if n == "dot_general"]
 
 

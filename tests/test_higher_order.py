@@ -2,6 +2,7 @@
 is rewritten, signatures stay identical, and custom derivative rules still run."""
 
 import functools
+from pathlib import Path
 
 import equinox as eqx
 import jax
@@ -11,15 +12,15 @@ import pytest
 from helpers import rel_l2, round_bf16, tree_dtypes
 from jax import lax
 from jax.extend.core import Primitive, jaxpr_as_fun
-from jax.interpreters import mlir
+from jax.interpreters import ad, mlir
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import jaxamp
 from jaxamp import _amp, _compat
 from jaxamp._base import _structure
-from jaxamp._policy import _rules
-from jaxamp._walk import _higher_order
+from jaxamp._policy import _lookup, _rules
+from jaxamp._walk import _higher_order, _loop
 
 BF16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 F16 = np.dtype(jnp.float16)
@@ -27,14 +28,14 @@ F16 = np.dtype(jnp.float16)
 
 def eqns(closed):
     """All equations of a jaxpr and of its sub-jaxprs, depth first."""
-    return (e for e, _ in jaxamp.iter_equations(closed))
+    return (e for e, _ in jaxamp.tools.iter_equations(closed))
 
 
 def _has_dot(eqn):
     return any(
         e.primitive.name == "dot_general"
         for j in _compat.sub_jaxprs(eqn.params)
-        for e, _ in jaxamp.iter_equations(j)
+        for e, _ in jaxamp.tools.iter_equations(j)
     )
 
 
@@ -284,7 +285,7 @@ def test_register_higher_order_adds_a_rule():
         closed = jax.make_jaxpr(jaxamp.amp(f, compute_dtype=jnp.bfloat16))(W, X)
         assert dot_dtypes(closed) == [(BF16, BF16)]
     finally:
-        del _higher_order.higher_order_rules[prim.name]
+        _higher_order.unregister_higher_order(prim.name)
 
 
 def test_register_higher_order_takes_names():
@@ -429,7 +430,7 @@ def test_equinox_filter_custom_vjp_with_non_differentiated_inputs():
     got_w = jax.grad(jaxamp.amp(loss, compute_dtype=BF16))(W, b, X)
     assert rel_l2(got_w, ref[0]) < 5e-2
     closed = jax.make_jaxpr(jax.grad(jaxamp.amp(loss, compute_dtype=BF16)))(W, b, X)
-    assert jaxamp.low_precision_flop_share(closed) == 1.0
+    assert jaxamp.tools.low_precision_flop_share(closed) == 1.0
 
 
 @pytest.mark.parametrize("adjoint", ["RecursiveCheckpointAdjoint", "BacksolveAdjoint"])
@@ -465,7 +466,7 @@ def test_diffrax_neural_ode_gradients(adjoint):
     ref = jax.jit(jax.grad(loss))(params, y0)
     assert tree_dtypes(got) == [F32, F32]
     assert rel_l2(got, ref) < 5e-2
-    share = jaxamp.low_precision_flop_share(jax.make_jaxpr(grad_amp)(params, y0))
+    share = jaxamp.tools.low_precision_flop_share(jax.make_jaxpr(grad_amp)(params, y0))
     assert share >= 0.99
 
 
@@ -518,7 +519,7 @@ def _converts_of_stacks(closed):
     shapes |= {a.shape for a in jax.tree.leaves(STACK)}
     return sum(
         w
-        for e, w in jaxamp.iter_equations(closed)
+        for e, w in jaxamp.tools.iter_equations(closed)
         if e.primitive.name == "convert_element_type"
         and e.outvars[0].aval.dtype == BF16
         and e.invars[0].aval.dtype == F32
@@ -643,7 +644,9 @@ def test_loop_invariant_weight_is_cast_once_not_once_per_step():
     assert [v.aval.dtype for v in scan.invars[:n_consts]] == [BF16]
     casts = sum(
         wt
-        for e, wt in jaxamp.iter_equations(jax.make_jaxpr(jax.grad(amp_loss))(w, xs))
+        for e, wt in jaxamp.tools.iter_equations(
+            jax.make_jaxpr(jax.grad(amp_loss))(w, xs)
+        )
         if e.primitive.name == "convert_element_type"
         and e.invars[0].aval.shape == (D_, D_)
         and e.outvars[0].aval.dtype == BF16
@@ -886,8 +889,7 @@ def toy_registered():
         _higher_order.rewrite_subjaxprs
     )
     yield TOY
-    del _higher_order.higher_order_rules[TOY.name]
-    del _structure.DESCRIPTIONS[TOY.name]
+    _higher_order.unregister_higher_order(TOY.name)
 
 
 @pytest.fixture
@@ -895,7 +897,7 @@ def toy_rule_only():
     """The toy with a rewrite rule but no description (opaque to the passes)."""
     jaxamp.register_higher_order(TOY.name)(_higher_order.rewrite_subjaxprs)
     yield TOY
-    del _higher_order.higher_order_rules[TOY.name]
+    _higher_order.unregister_higher_order(TOY.name)
 
 
 # Activations in the hundreds, pre-rounded to bfloat16.
@@ -972,10 +974,14 @@ def test_find_overflows_binds_an_undescribed_primitive(toy_rule_only):
 def test_flops_are_counted_inside_the_toy_primitive(toy_registered):
     closed = jax.make_jaxpr(jaxamp.amp(_toy_loss, compute_dtype=BF16))(W1, W2, XA)
     # Two products of 2 * (2 x 4 x 8) FLOPs, both with bfloat16 operands.
-    assert jaxamp.matmul_flops_by_dtype(closed) == {"bfloat16": 2 * 2 * 2 * 4 * 8.0}
-    assert jaxamp.low_precision_flop_share(closed) == 1.0
+    assert jaxamp.tools.matmul_flops_by_dtype(closed) == {
+        "bfloat16": 2 * 2 * 2 * 4 * 8.0
+    }
+    assert jaxamp.tools.low_precision_flop_share(closed) == 1.0
     ref = jax.make_jaxpr(jaxamp.amp(_jit_loss, compute_dtype=BF16))(W1, W2, XA)
-    assert jaxamp.matmul_flops_by_dtype(ref) == jaxamp.matmul_flops_by_dtype(closed)
+    assert jaxamp.tools.matmul_flops_by_dtype(
+        ref
+    ) == jaxamp.tools.matmul_flops_by_dtype(closed)
 
 
 def test_register_higher_order_checks_its_description():
@@ -987,3 +993,319 @@ def test_register_higher_order_checks_its_description():
 
 def test_the_loop_carry_rule_is_registered_with_the_loop():
     assert jaxamp.default_amp_policy["scan"] is _rules.narrow_bfloat16_carries
+
+
+# --------------------------------------------------------------------------------
+# One registration per higher-order primitive, read where it is needed: a region
+# primitive of the test's own (a sub-jaxpr in its params; grad works through it,
+# the values its derivative needs are outputs of the region itself), registered
+# once, is rewritten by amp, seen through by the reports and handled by a policy
+# built before it was registered.
+
+# Built at import, before any registration of the region primitive below.
+INT8_BEFORE = jaxamp.int8_policy(size_rule=None)
+
+
+def _region_primitive():
+    prim = Primitive("jaxamp_test_region")
+    prim.multiple_results = True
+
+    def impl(*xs, jaxpr):
+        return jaxpr_as_fun(jaxpr)(*xs)
+
+    def jvp(primals, tangents, *, jaxpr):
+        # The region runs the body's linearization: its outputs and the
+        # residuals its derivative needs; the tangents are computed outside.
+        avals = [
+            jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p)) for p in primals
+        ]
+        lin = lambda *xs: jax.linearize(jaxpr_as_fun(jaxpr), *xs)
+        known, shape = jax.make_jaxpr(lin, return_shape=True)(*avals)
+        tree = jax.tree_util.tree_structure(shape)
+        outs, push = jax.tree_util.tree_unflatten(
+            tree, prim.bind(*primals, jaxpr=known)
+        )
+        return outs, push(*map(ad.instantiate_zeros, tangents))
+
+    prim.def_impl(impl)
+    prim.def_abstract_eval(lambda *avals, jaxpr: [v.aval for v in jaxpr.jaxpr.outvars])
+    mlir.register_lowering(prim, mlir.lower_fun(impl, multiple_results=True))
+    ad.primitive_jvps[prim] = jvp
+    return prim
+
+
+REGION = _region_primitive()
+
+
+def _region_rule(eqn, invals, ctx):
+    """The region's operands enter in the dtypes of its policy entry; its body
+    is rewritten as a plain call's, dtypes flowing through."""
+    entry = ctx.policy.lookup(eqn.primitive, ctx.scopes)
+    result = entry(ctx.compute_dtype, [v.aval.dtype for v in eqn.invars], *invals)
+    invals, _ = _loop.check_rule_result(result, eqn.primitive, entry, len(invals))
+    return _higher_order._call(eqn, list(invals), ctx)
+
+
+@pytest.fixture
+def region():
+    """The region primitive's one registration, removed afterwards."""
+    jaxamp.register_higher_order(
+        REGION.name,
+        describe=functools.partial(_structure.describe_call, dtypes_flow=True),
+        default_rule=jaxamp.use_compute_precision,
+    )(_region_rule)
+    yield REGION
+    _higher_order.unregister_higher_order(REGION.name)
+
+
+def _region_body(x, w1, w2):
+    with jax.named_scope("inside_region"):
+        h = x @ w1  # its output is a residual: h * tanh(h) needs it
+    return (h * jnp.tanh(h / 100.0)) @ w2
+
+
+def _region_loss(p, x):
+    body = jax.make_jaxpr(_region_body)(x, p["w1"], p["w2"])
+    (y,) = REGION.bind(x, p["w1"], p["w2"], jaxpr=body)
+    return jnp.mean(jnp.square(y / 100.0))
+
+
+RP = {"w1": W1, "w2": W2}
+
+
+def _region_eqn(fn, policy=jaxamp.default_amp_policy):
+    amp_fn = jaxamp.amp(fn, compute_dtype=BF16, amp_policy=policy)
+    closed = jax.make_jaxpr(amp_fn)(RP, XA)
+    (eqn,) = [e for e in eqns(closed) if e.primitive is REGION]
+    return eqn
+
+
+def test_amp_rewrites_inside_a_registered_region(region):
+    eqn = _region_eqn(_region_loss)
+    # Its operands in the registered default rule's dtype, its products bf16.
+    assert [v.aval.dtype for v in eqn.invars] == [BF16, BF16, BF16]
+    assert dot_dtypes(eqn.params["jaxpr"]) == [(BF16, BF16), (BF16, BF16)]
+    amp_loss = jaxamp.amp(_region_loss, compute_dtype=BF16)
+    np.testing.assert_allclose(amp_loss(RP, XA), _region_loss(RP, XA), rtol=3e-2)
+    grads, ref = jax.grad(amp_loss)(RP, XA), jax.grad(_region_loss)(RP, XA)
+    assert tree_dtypes(grads) == tree_dtypes(ref)
+    assert rel_l2(grads, ref) < 3e-2
+
+
+def test_reports_see_through_a_registered_region(region):
+    memory = jaxamp.memory_report(
+        _region_loss, RP, XA, compute_dtype=BF16, compile=False
+    )
+    (row,) = [r for r in memory.rows if r.primitive == "dot_general"]
+    assert row.dtype == "bfloat16" and "inside_region" in row.scope
+    assert row.shape == (2, 8)
+    precision = jaxamp.precision_report(_region_loss, RP, XA, compute_dtype=BF16)
+    inside = [r for r in precision.records if "inside_region" in r.scope]
+    assert [(r.primitive, r.format) for r in inside] == [("dot_general", "bfloat16")]
+
+
+def test_a_region_without_description_is_one_site_of_the_precision_report():
+    jaxamp.register_higher_order(REGION.name)(_region_rule)
+    try:
+        precision = jaxamp.precision_report(_region_loss, RP, XA, compute_dtype=BF16)
+    finally:
+        _higher_order.unregister_higher_order(REGION.name)
+    assert not [r for r in precision.records if "inside_region" in r.scope]
+    assert "jaxamp_test_region" in [r.primitive for r in precision.records]
+
+
+def _int8_products(jaxpr):
+    return [
+        e
+        for e in eqns(jaxpr)
+        if e.primitive.name == "dot_general"
+        and [v.aval.dtype for v in e.invars] == [np.dtype(jnp.int8)] * 2
+    ]
+
+
+def test_an_int8_policy_built_before_the_registration_handles_the_region(region):
+    assert REGION.name not in INT8_BEFORE and REGION.name in jaxamp.default_amp_policy
+    eqn = _region_eqn(_region_loss, INT8_BEFORE)
+    # The registered default rule applies (amp_default would keep float32) and
+    # the first product (not the one feeding the loss) runs in int8.
+    assert [v.aval.dtype for v in eqn.invars] == [BF16, BF16, BF16]
+    (product,) = _int8_products(eqn.params["jaxpr"])
+    assert [v.aval.shape for v in product.invars] == [(2, 4), (4, 8)]
+    # The import-time int8_amp_policy too (its size rule skips such products).
+    eqn = _region_eqn(_region_loss, jaxamp.int8_amp_policy)
+    assert [v.aval.dtype for v in eqn.invars] == [BF16, BF16, BF16]
+    assert _int8_products(eqn.params["jaxpr"]) == []
+
+
+def test_a_policy_written_from_scratch_keeps_its_own_default(region):
+    # No copy of the default table: its "amp_default" rule decides, as for
+    # every primitive it does not name.
+    scratch = {"amp_default": jaxamp.use_original_precision}
+    eqn = _region_eqn(_region_loss, scratch)
+    assert [v.aval.dtype for v in eqn.invars] == [F32, F32, F32]
+    policy = _lookup.AmpPolicy(INT8_BEFORE)
+    assert policy.lookup(REGION, ()) is jaxamp.use_compute_precision
+    assert _lookup.AmpPolicy(scratch).lookup(REGION, ()) is not policy.lookup(
+        REGION, ()
+    )
+
+
+def test_unregistering_leaves_no_trace(region):
+    _higher_order.unregister_higher_order(REGION.name)
+    try:
+        assert REGION.name not in jaxamp.default_amp_policy
+        assert REGION.name not in _higher_order.higher_order_rules
+        eqn = _region_eqn(_region_loss)  # unknown again: runs unchanged
+        assert [v.aval.dtype for v in eqn.invars] == [F32, F32, F32]
+        assert dot_dtypes(eqn.params["jaxpr"]) == [(F32, F32), (F32, F32)]
+        with pytest.raises(ValueError, match="no registration of"):
+            _higher_order.unregister_higher_order(REGION.name)
+    finally:  # the fixture removes it once more
+        jaxamp.register_higher_order(REGION.name)(_region_rule)
+
+
+def test_registering_a_builtin_again_is_undone_by_unregistering():
+    builtin = _structure.registered("scan")
+    log = []
+
+    def logged(eqn, invals, ctx):
+        log.append(eqn.primitive.name)
+        return builtin.rule(eqn, invals, ctx)
+
+    jaxamp.register_higher_order("scan")(logged)
+    try:
+        entry = _structure.registered("scan")
+        # A registration without a description keeps the replaced one's.
+        assert entry.describe is builtin.describe
+        assert entry.default_rule is builtin.default_rule
+        jax.make_jaxpr(jaxamp.amp(CASES["scan"], compute_dtype=BF16))(W, X)
+        assert log == ["scan"]
+    finally:
+        _higher_order.unregister_higher_order("scan")
+    assert _structure.registered("scan") is builtin
+    assert jaxamp.default_amp_policy["scan"] is _rules.narrow_bfloat16_carries
+
+
+@pytest.mark.parametrize(
+    "word", ["jit", "pjit", "closed_call", "remat2", "custom_vjp_call", "shard_map"]
+)
+def test_call_primitives_are_named_only_where_they_are_registered(word):
+    """The walk, the reports, the chunked optimizer and the attention matcher
+    read the registry (``_base/_structure.py``) for what a call is."""
+    root = Path(jaxamp.__file__).parent
+    naming = sorted(
+        str(p.relative_to(root))
+        for p in root.rglob("*.py")
+        if f'"{word}"' in p.read_text() or f"'{word}'" in p.read_text()
+    )
+    assert set(naming) <= {"_walk/_higher_order.py", "_compat.py"}, naming
+
+
+# The rewrite cache keys on the policy's value (AmpPolicy.value_key): amp
+# wrapping the same jitted layer again with an equal policy reuses the rewrite.
+@jax.custom_jvp
+def _signed_relu(x):
+    return jnp.maximum(x, 0.0)
+
+
+@_signed_relu.defjvp
+def _signed_relu_jvp(primals, tangents):
+    (x,), (t,) = primals, tangents
+    # sign appears only in this rule, traced under jax.grad.
+    return _signed_relu(x), t * (jnp.sign(x) + 1.0) / 2.0
+
+
+def _layer_loss():
+    """A fresh jitted layer (its own traced body) and a loss calling it."""
+
+    @jax.jit
+    def layer(w, x):
+        with jax.named_scope("mlp"):
+            return _signed_relu(x @ w)
+
+    return lambda w, x: jnp.mean(layer(w, x) ** 2)
+
+
+def _equal_policy():
+    # A new mapping each time, equal in value, with a nested scope policy.
+    return {**jaxamp.default_amp_policy, "mlp": {**jaxamp.default_amp_policy}}
+
+
+def _cache_entries() -> int:
+    return sum(len(v) for v in _higher_order._REWRITES.values())
+
+
+def test_rewrapping_with_an_equal_policy_reuses_the_rewrite():
+    import tracemalloc
+
+    loss, w, x = _layer_loss(), jnp.ones((64, 64)) / 8, jnp.ones((8, 64))
+
+    def wrap_and_trace():
+        f = jaxamp.amp(loss, compute_dtype=BF16, amp_policy=_equal_policy())
+        return jax.make_jaxpr(jax.grad(f))(w, x)
+
+    before = _cache_entries()
+    first = wrap_and_trace()
+    entries = _cache_entries()
+    assert entries > before  # the layer's body was rewritten
+    tracemalloc.start()
+    try:
+        start = tracemalloc.get_traced_memory()[0]
+        for _ in range(99):
+            again = wrap_and_trace()
+        grown = tracemalloc.get_traced_memory()[0] - start
+    finally:
+        tracemalloc.stop()
+    assert _cache_entries() == entries
+    # One rewrite per (sub-jaxpr, policy value): a 64-wide layer's rewrite
+    # kept per wrap would add about 75 KiB each.
+    assert grown < 1.5 * 2**20, grown
+    assert str(again) == str(first)
+    # An unequal policy is a rewrite of its own.
+    full = {**jaxamp.default_amp_policy, "mlp": jaxamp.use_full_precision}
+    jax.make_jaxpr(jax.grad(jaxamp.amp(loss, compute_dtype=BF16, amp_policy=full)))(
+        w, x
+    )
+    assert _cache_entries() > entries
+
+
+@pytest.mark.parametrize(
+    "key, warns",
+    [
+        ("mlp", False),  # a scope seen only inside the jitted body
+        ("sign", False),  # a primitive seen only in a jvp rule in that body
+        ("mlpp", True),  # a typo: each amp warns about its own policy
+    ],
+)
+def test_a_reused_rewrite_replays_what_the_policy_was_asked(key, warns):
+    import warnings
+
+    loss, w, x = _layer_loss(), jnp.ones((8, 8)) / 8, jnp.ones((4, 8))
+    for _ in range(2):  # the second wrap reuses the first one's rewrites
+        policy = {**jaxamp.default_amp_policy, key: jaxamp.use_full_precision}
+        f = jaxamp.amp(loss, compute_dtype=BF16, amp_policy=policy)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            jax.grad(f)(w, x)
+        unmatched = [m for m in caught if "matched no primitive" in str(m.message)]
+        assert bool(unmatched) == warns, [str(m.message) for m in unmatched]
+
+
+def test_policy_value_key_compares_the_entries_as_built():
+    default = jaxamp.default_amp_policy
+    inner = {**default}
+    a = _lookup.AmpPolicy({**default, "mlp": inner})
+    b = _lookup.AmpPolicy({**default, "mlp": jaxamp.ScopePolicy(dict(inner))})
+    assert a.value_key == b.value_key and hash(a.value_key) == hash(b.value_key)
+    inner["attn"] = jaxamp.use_full_precision  # a keeps what it was built from
+    assert a.value_key == b.value_key
+    assert _lookup.AmpPolicy({**default, "mlp": inner}).value_key != a.value_key
+
+    class Unhashable:
+        __hash__ = None
+
+        def __call__(self, *args, **params):
+            return jaxamp.use_full_precision(*args, **params)
+
+    odd = _lookup.AmpPolicy({**default, "exp": Unhashable()})
+    assert odd.value_key is odd  # compared by identity

@@ -115,7 +115,7 @@ def test_ten_steps_match_the_ordinary_step(case):
 def _stacked_scan_outputs(jaxpr, shapes):
     """Per scan: the stacked outputs (ys) whose shape is a stacked weight's."""
     out = []
-    for eqn, _ in jaxamp.iter_equations(jaxpr):
+    for eqn, _ in jaxamp.tools.iter_equations(jaxpr):
         if eqn.primitive.name == "scan":
             n_carry = _compat.scan_carry_range(eqn.params)[1]
             ys = eqn.outvars[n_carry:]

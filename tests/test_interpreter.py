@@ -17,7 +17,7 @@ BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.flo
 
 def eqns(closed):
     """All equations of a jaxpr and of its sub-jaxprs, depth first."""
-    return (e for e, _ in jaxamp.iter_equations(closed))
+    return (e for e, _ in jaxamp.tools.iter_equations(closed))
 
 
 def out_dtype(closed, name):
@@ -55,7 +55,7 @@ def test_lookup_order_scope_then_primitive_then_name_then_default():
     assert pol.lookup(exp_p, ("x", "inner")) is orig
     assert pol.lookup(exp_p, ()) is low  # primitive object before name
     assert pol.lookup(tanh_p, ()) is low  # then name
-    assert pol.lookup(sin_p, ()) is jaxamp.follow_compute_precision  # default
+    assert pol.lookup(sin_p, ()) is jaxamp.rules.follow_compute_precision  # default
     assert pol.lookup(sin_p, ("amp_stop",)) is orig  # amp_stop always known
 
 
@@ -259,6 +259,6 @@ def test_amp_stop_regions_are_not_wrapped():
     closed = jax.make_jaxpr(jax.grad(jaxamp.amp(f, compute_dtype=BF16)))(W, X)
     kinds = [e.primitive.name for e in eqns(closed)]
     assert "remat2" not in kinds and "custom_jvp_call" not in kinds
-    assert {i for n, i, _ in jaxamp.primitive_dtypes(closed) if n == "dot_general"} == {
-        (F32, F32)
-    }
+    assert {
+        i for n, i, _ in jaxamp.tools.primitive_dtypes(closed) if n == "dot_general"
+    } == {(F32, F32)}

@@ -58,7 +58,7 @@ def _scopes(fn, *args):
     closed = jax.make_jaxpr(fn)(*args)
     return [
         str(e.source_info.name_stack).rsplit("/", 1)[-1]
-        for e, _ in jaxamp.iter_equations(closed)
+        for e, _ in jaxamp.tools.iter_equations(closed)
         if e.primitive.name in ("remat2", "checkpoint")
     ]
 

@@ -458,7 +458,7 @@ def test_amp_with_bfloat16_parameters_keeps_statistics_and_loss_in_float32():
     amp_loss = jaxamp.amp(_lm_loss, compute_dtype=jnp.bfloat16)
     grad_fn = jax.value_and_grad(amp_loss)
     jaxpr = jax.make_jaxpr(grad_fn)(params, tokens, labels)
-    eqns = [e for e, _ in jaxamp.iter_equations(jaxpr)]
+    eqns = [e for e, _ in jaxamp.tools.iter_equations(jaxpr)]
     # LayerNorm statistics (mean, variance), softmax and the loss's
     # log-softmax run in float32, forward and backward; the only bfloat16 sums
     # are exact ones over size-1 axes (the gain's and bias' broadcasts).

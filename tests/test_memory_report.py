@@ -14,6 +14,7 @@ import jaxamp
 from jaxamp._policy._checkpoint import STORED_PRODUCT
 
 K = jax.random.split(jax.random.key(7), 4)
+BF16 = jnp.bfloat16
 
 
 def loss(params, x):
@@ -37,7 +38,9 @@ def args():
 
 @pytest.mark.parametrize("residual_dtype", [None, jnp.float8_e4m3fn, "int8"])
 def test_total_equals_jax_saved_residuals(args, residual_dtype):
-    r = jaxamp.memory_report(loss, *args, residual_dtype=residual_dtype, compile=False)
+    r = jaxamp.memory_report(
+        loss, *args, compute_dtype=BF16, residual_dtype=residual_dtype, compile=False
+    )
     amp = jaxamp.amp(loss, compute_dtype=jnp.bfloat16, residual_dtype=residual_dtype)
     want = jaxamp.saved_residual_bytes(amp, *args)
     assert isinstance(r.residual_bytes, int)
@@ -48,7 +51,7 @@ def test_total_equals_jax_saved_residuals(args, residual_dtype):
 def test_rows_name_scope_primitive_dtype_and_source(args):
     # int8: the block's values are all products' inputs (FP8 leaves those in
     # bfloat16).
-    r = jaxamp.memory_report(loss, *args, residual_dtype="int8")
+    r = jaxamp.memory_report(loss, *args, compute_dtype=BF16, residual_dtype="int8")
     # The scanned block's values are 8-bit copies with a stacked axis of 3,
     # traced back into the scan body: scope "block", this file's lines.
     block = [row for row in r.rows if row.scope == "block"]
@@ -101,7 +104,11 @@ def test_checkpoint_values_with_stored_dtype_and_rule(args, residual_dtype):
     # and the rule.
     stored, rule = "int8", STORED_PRODUCT
     r = jaxamp.memory_report(
-        checkpointed, *args, residual_dtype=residual_dtype, compile=False
+        checkpointed,
+        *args,
+        compute_dtype=BF16,
+        residual_dtype=residual_dtype,
+        compile=False,
     )
     got = {c.value: (c.shape, c.dtype, c.rule) for c in r.checkpoints}
     assert got == {
@@ -116,7 +123,7 @@ def test_checkpoint_values_with_stored_dtype_and_rule(args, residual_dtype):
     # Their stacked saved arrays (3 layers) are in that dtype.
     per_layer = [row for row in r.rows if row.shape == (3, 16, 64)]
     assert sum(row.count for row in per_layer if row.dtype == stored) == 2
-    plain = jaxamp.memory_report(checkpointed, *args, compile=False)
+    plain = jaxamp.memory_report(checkpointed, *args, compute_dtype=BF16, compile=False)
     assert plain.checkpoints == [] and "boundaries" not in str(plain)
 
 

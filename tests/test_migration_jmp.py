@@ -41,7 +41,7 @@ def name(dtype):
 @pytest.mark.parametrize("dtype, np_", list(it.product(DTYPES, NUMPYS)))
 @pytest.mark.parametrize("kind", ["param", "compute", "output"])
 def test_policy_cast_to(kind, dtype, np_):
-    policy = jaxamp.Policy(dtype, dtype, dtype)
+    policy = jaxamp.migration.jmp.Policy(dtype, dtype, dtype)
     assert getattr(policy, f"{kind}_dtype") == dtype
     out = getattr(policy, f"cast_to_{kind}")({"a": np_.ones([])})
     assert out["a"].dtype == np.dtype(dtype)
@@ -49,7 +49,7 @@ def test_policy_cast_to(kind, dtype, np_):
 
 @pytest.mark.parametrize("dtype, np_", list(it.product(DTYPES, NUMPYS)))
 def test_policy_with_output_dtype(dtype, np_):
-    policy = jaxamp.Policy(np_.float32, np_.float32, np_.float32)
+    policy = jaxamp.migration.jmp.Policy(np_.float32, np_.float32, np_.float32)
     policy = policy.with_output_dtype(dtype)
     assert policy.output_dtype == dtype
     assert (policy.param_dtype, policy.compute_dtype) == (F32, F32)
@@ -60,20 +60,20 @@ def test_policy_with_output_dtype(dtype, np_):
     [("float16", np.float16), ("float32", np.float32), ("bfloat16", jnp.bfloat16)],
 )
 def test_get_policy(dtype_name, dtype):
-    policy = jaxamp.get_policy(dtype_name)
+    policy = jaxamp.migration.jmp.get_policy(dtype_name)
     assert policy.param_dtype == policy.compute_dtype == policy.output_dtype == dtype
 
 
 def test_get_policy_almost_dtype():
     # jmp: "Unknown dtype"; jaxamp names the bad value and the known names.
     with pytest.raises(ValueError, match="'compute_float16' is not a known"):
-        jaxamp.get_policy("compute_float16")
+        jaxamp.migration.jmp.get_policy("compute_float16")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_get_policy_mixed(dtype):
     # Unspecified output follows compute: "c=bf16" is p=f32,c=bf16,o=bf16.
-    policy = jaxamp.get_policy(f"c={name(dtype)}")
+    policy = jaxamp.migration.jmp.get_policy(f"c={name(dtype)}")
     assert (policy.param_dtype, policy.compute_dtype, policy.output_dtype) == (
         F32,
         dtype,
@@ -83,7 +83,7 @@ def test_get_policy_mixed(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_get_policy_compute(dtype):
-    policy = jaxamp.get_policy(f"c={name(dtype)},o=full")
+    policy = jaxamp.migration.jmp.get_policy(f"c={name(dtype)},o=full")
     assert (policy.param_dtype, policy.compute_dtype, policy.output_dtype) == (
         F32,
         dtype,
@@ -93,7 +93,9 @@ def test_get_policy_compute(dtype):
 
 def test_half_dtype():
     on_tpu = jax.local_devices()[0].platform == "tpu"
-    assert jaxamp.half_dtype() == (jnp.bfloat16 if on_tpu else jnp.float16)
+    assert jaxamp.migration.jmp.half_dtype() == (
+        jnp.bfloat16 if on_tpu else jnp.float16
+    )
 
 
 def _tree(dtype):
@@ -106,16 +108,16 @@ def _tree(dtype):
 
 
 def test_cast_to_full():
-    half_tree = _tree(jaxamp.half_dtype())
-    full = jaxamp.cast_to_full(half_tree)
+    half_tree = _tree(jaxamp.migration.jmp.half_dtype())
+    full = jaxamp.migration.jmp.cast_to_full(half_tree)
     assert full["o"] is half_tree["o"]
     assert [full[k].dtype for k in "hfi"] == [F32, F32, np.dtype(np.int16)]
     assert all(float(full[k]) == 1.0 for k in "hfi")
 
 
 def test_cast_to_half():
-    dtype = jaxamp.half_dtype()
-    half = jaxamp.cast_to_half(_tree(jnp.float32))
+    dtype = jaxamp.migration.jmp.half_dtype()
+    half = jaxamp.migration.jmp.cast_to_half(_tree(jnp.float32))
     assert [half[k].dtype for k in "hfi"] == [dtype, dtype, np.dtype(np.int16)]
 
 
@@ -126,10 +128,10 @@ JMP_FIRST_NAME[F32] = "full"
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_str(dtype):
-    policy = jaxamp.Policy(dtype, dtype, dtype)
+    policy = jaxamp.migration.jmp.Policy(dtype, dtype, dtype)
     for piece in str(policy).split(","):
         assert piece.split("=")[1] == JMP_FIRST_NAME[np.dtype(dtype)]
-    assert jaxamp.get_policy(str(policy)) == policy
+    assert jaxamp.migration.jmp.get_policy(str(policy)) == policy
 
 
 @pytest.mark.parametrize(
@@ -140,10 +142,10 @@ def test_policy_strings_agree_with_jmp(spec):
     """Beyond jmp's own tests: the installed jmp parses every spec to the same
     dtypes, and each library parses the other's str()."""
     jmp = pytest.importorskip("jmp")
-    ours, theirs = jaxamp.get_policy(spec), jmp.get_policy(spec)
+    ours, theirs = jaxamp.migration.jmp.get_policy(spec), jmp.get_policy(spec)
     fields = ("param_dtype", "compute_dtype", "output_dtype")
     assert [getattr(ours, f) for f in fields] == [getattr(theirs, f) for f in fields]
-    assert jaxamp.get_policy(str(theirs)) == ours
+    assert jaxamp.migration.jmp.get_policy(str(theirs)) == ours
     back = jmp.get_policy(str(ours))
     assert [getattr(back, f) for f in fields] == [getattr(theirs, f) for f in fields]
 
@@ -151,7 +153,7 @@ def test_policy_strings_agree_with_jmp(spec):
 def test_non_float_policy_dtypes_raise():
     # jmp keeps any dtype; jaxamp rejects one it could never cast to.
     with pytest.raises(ValueError, match="compute_dtype must be a floating"):
-        jaxamp.Policy(jnp.float32, jnp.int32, jnp.float32)
+        jaxamp.migration.jmp.Policy(jnp.float32, jnp.int32, jnp.float32)
 
 
 # loss_scale_test.py
@@ -291,10 +293,10 @@ def test_all_finite(non_finite):
 def test_select_tree():
     a = {"a": jnp.ones([]), "b": jnp.zeros([])}
     b = {"a": jnp.zeros([]), "b": jnp.ones([])}
-    assert jaxamp.select_tree(jnp.bool_(True), None, None) is None
-    assert jaxamp.select_tree(jnp.bool_(False), None, None) is None
+    assert jaxamp.training.select_tree(jnp.bool_(True), None, None) is None
+    assert jaxamp.training.select_tree(jnp.bool_(False), None, None) is None
     for pred, want in ((True, a), (False, b)):
-        got = jaxamp.select_tree(jnp.bool_(pred), a, b)
+        got = jaxamp.training.select_tree(jnp.bool_(pred), a, b)
         assert {k: float(v) for k, v in got.items()} == {
             k: float(v) for k, v in want.items()
         }
@@ -303,7 +305,7 @@ def test_select_tree():
 def test_select_tree_rejects_non_scalar():
     # jmp: AssertionError "expected boolean scalar"; jaxamp: ValueError.
     with pytest.raises(ValueError, match="pred must be a scalar"):
-        jaxamp.select_tree(jnp.ones([1]), None, None)
+        jaxamp.training.select_tree(jnp.ones([1]), None, None)
 
 
 @pytest.mark.parametrize("period, factor", [(3, 2), (1, 2), (4, 3)])

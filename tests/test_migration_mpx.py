@@ -8,7 +8,7 @@ mixed-precision-for-jax 0.1.8 (``mpx/_cast.py``, ``_dtypes.py``,
 ``_loss_scaling.py``, ``_grad_tools.py``), which is also the reference where
 both run. Adaptations: mpx's tests build loss scales of shape ``(1,)``, which
 mpx 0.1.8 itself rejects (``ndim == 0`` asserts), so scales are scalars here;
-every name is jaxamp's (``jaxamp.DynamicLossScaling`` for
+every name is jaxamp's (``jaxamp.migration.mpx.DynamicLossScaling`` for
 ``mpx.DynamicLossScaling`` and so on). Deliberate differences are asserted:
 ``@force_full_precision`` without a dtype keeps float32 outputs (mpx:
 float16); gradients are unscaled by the scale that produced them (mpx: by the
@@ -26,7 +26,7 @@ import optax
 import pytest
 
 import jaxamp
-from jaxamp import force_full_precision
+from jaxamp.migration._mpx import force_full_precision
 
 F16, BF16, F32 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 F16_MAX = float(jnp.finfo(jnp.float16).max)  # (2 - 2**-10) * 2**15
@@ -80,7 +80,7 @@ def dtypes(tree):
 @pytest.mark.parametrize("dtype", [F16, BF16, F32])
 def test_cast_eqx_module(dtype):
     module = EQXModule1()
-    result = jaxamp.cast_tree(module, dtype)
+    result = jaxamp.migration.mpx.cast_tree(module, dtype)
     for base in result.a:
         assert (base.a.dtype, base.b.dtype) == (dtype, dtype)
     assert result.b.dtype == dtype
@@ -90,12 +90,12 @@ def test_cast_eqx_module(dtype):
 @pytest.mark.parametrize(
     "fn, dtype",
     [
-        (lambda t: jaxamp.cast_tree(t, jnp.float32), F32),
-        (jaxamp.cast_to_float32, F32),
-        (jaxamp.cast_to_float16, F16),
-        (jaxamp.cast_to_bfloat16, BF16),
-        (jaxamp.cast_to_full_precision, F32),
-        (jaxamp.cast_to_half_precision, F16),  # mpx's default half dtype
+        (lambda t: jaxamp.migration.mpx.cast_tree(t, jnp.float32), F32),
+        (jaxamp.migration.mpx.cast_to_float32, F32),
+        (jaxamp.migration.mpx.cast_to_float16, F16),
+        (jaxamp.migration.mpx.cast_to_bfloat16, BF16),
+        (jaxamp.migration.mpx.cast_to_full_precision, F32),
+        (jaxamp.migration.mpx.cast_to_half_precision, F16),  # mpx's default half dtype
     ],
 )
 def test_cast_functions(fn, dtype):
@@ -129,45 +129,57 @@ def test_mixed_tree_handling():
         "scalar": 42,
         "nested": {"array": jnp.ones(3, jnp.float16), "none": None},
     }
-    result = jaxamp.cast_to_float32(tree)
+    result = jaxamp.migration.mpx.cast_to_float32(tree)
     assert result["array"].dtype == F32 and result["nested"]["array"].dtype == F32
     assert result["scalar"] == 42 and result["nested"]["none"] is None
 
 
 def test_empty_structures():
-    assert jaxamp.cast_to_float32({}) == {}
-    assert jaxamp.cast_to_float32([]) == []
+    assert jaxamp.migration.mpx.cast_to_float32({}) == {}
+    assert jaxamp.migration.mpx.cast_to_float32([]) == []
 
 
 def test_cast_function():
     def f(x, *, scale):
         return x * scale, (x + scale).astype(jnp.float32)
 
-    g = jaxamp.cast_function(f, jnp.bfloat16)
+    g = jaxamp.migration.mpx.cast_function(f, jnp.bfloat16)
     a, b = g(jnp.ones(2, jnp.float32), scale=jnp.float32(3.0))
     assert (a.dtype, b.dtype) == (BF16, BF16)  # return_dtype defaults to dtype
-    a, b = jaxamp.cast_function(f, "bf16", jnp.float16)(jnp.ones(2), scale=2.0)
+    a, b = jaxamp.migration.mpx.cast_function(f, "bf16", jnp.float16)(
+        jnp.ones(2), scale=2.0
+    )
     assert (a.dtype, b.dtype) == (F16, F16) and float(a[0]) == 2.0
     # An array output is cast too; a non-array static output passes through.
-    assert jaxamp.cast_function(lambda x: x, jnp.float16)(jnp.ones(2)).dtype == F16
-    assert jaxamp.cast_function(lambda x: "s", jnp.float16)(jnp.ones(2)) == "s"
+    assert (
+        jaxamp.migration.mpx.cast_function(lambda x: x, jnp.float16)(jnp.ones(2)).dtype
+        == F16
+    )
+    assert (
+        jaxamp.migration.mpx.cast_function(lambda x: "s", jnp.float16)(jnp.ones(2))
+        == "s"
+    )
     with pytest.raises(ValueError, match="return_dtype must be a floating"):
-        jaxamp.cast_function(f, jnp.float16, jnp.int32)
+        jaxamp.migration.mpx.cast_function(f, jnp.float16, jnp.int32)
     with pytest.raises(TypeError, match="func must be callable"):
-        jaxamp.cast_function(None, jnp.float16)
+        jaxamp.migration.mpx.cast_function(None, jnp.float16)
 
 
 def test_dict_outputs_are_cast_with_a_warning():
     # mpx casts only a tuple's elements or a single array; jaxamp casts every
     # float leaf and says where mpx would not have.
-    f = jaxamp.cast_function(lambda x: {"y": x * 2}, jnp.float16, jnp.float32)
+    f = jaxamp.migration.mpx.cast_function(
+        lambda x: {"y": x * 2}, jnp.float16, jnp.float32
+    )
     with pytest.warns(UserWarning, match="returned a dict; jaxamp casts its float"):
         out = f(jnp.ones(2))
     assert out["y"].dtype == F32  # mpx: float16
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # already in the dtype: same as mpx
         assert (
-            jaxamp.cast_function(lambda x: {"y": x}, "f16")(jnp.ones(2))["y"].dtype
+            jaxamp.migration.mpx.cast_function(lambda x: {"y": x}, "f16")(jnp.ones(2))[
+                "y"
+            ].dtype
             == F16
         )
     with warnings.catch_warnings():
@@ -187,7 +199,9 @@ def test_force_full_precision_inside_amp_runs_float32():
     q, k = jnp.ones((4, 8)), jnp.ones((4, 8))
     jaxpr = jax.make_jaxpr(jaxamp.amp(loss, compute_dtype=jnp.bfloat16))(q, k)
     dots = [
-        ins for name, ins, _ in jaxamp.primitive_dtypes(jaxpr) if name == "dot_general"
+        ins
+        for name, ins, _ in jaxamp.tools.primitive_dtypes(jaxpr)
+        if name == "dot_general"
     ]
     # The forced matmul keeps float32 operands; the other one runs in bfloat16.
     assert (F32, F32) in dots and (BF16, BF16) in dots
@@ -197,29 +211,29 @@ def test_force_full_precision_inside_amp_runs_float32():
 
 
 def test_default_and_set_half_precision_datatype():
-    assert jaxamp.half_precision_datatype() == F16
+    assert jaxamp.migration.mpx.half_precision_datatype() == F16
     try:
-        jaxamp.set_half_precision_datatype(jnp.bfloat16)
-        assert jaxamp.half_precision_datatype() == BF16
-        assert jaxamp.cast_to_half_precision(jnp.ones(2)).dtype == BF16
-        jaxamp.set_half_precision_datatype(jnp.float16)
-        assert jaxamp.half_precision_datatype() == F16
+        jaxamp.migration.mpx.set_half_precision_datatype(jnp.bfloat16)
+        assert jaxamp.migration.mpx.half_precision_datatype() == BF16
+        assert jaxamp.migration.mpx.cast_to_half_precision(jnp.ones(2)).dtype == BF16
+        jaxamp.migration.mpx.set_half_precision_datatype(jnp.float16)
+        assert jaxamp.migration.mpx.half_precision_datatype() == F16
         # mpx silently ignores a string; jaxamp applies it.
-        jaxamp.set_half_precision_datatype("bfloat16")
-        assert jaxamp.half_precision_datatype() == BF16
+        jaxamp.migration.mpx.set_half_precision_datatype("bfloat16")
+        assert jaxamp.migration.mpx.half_precision_datatype() == BF16
         with pytest.raises(ValueError, match="datatype=float32 is not a half"):
-            jaxamp.set_half_precision_datatype(jnp.float32)
+            jaxamp.migration.mpx.set_half_precision_datatype(jnp.float32)
         with pytest.raises(ValueError, match="datatype='f8' is not a known"):
-            jaxamp.set_half_precision_datatype("f8")
+            jaxamp.migration.mpx.set_half_precision_datatype("f8")
     finally:
-        jaxamp.set_half_precision_datatype(jnp.float16)
+        jaxamp.migration.mpx.set_half_precision_datatype(jnp.float16)
 
 
 # test_loss_scaling.py
 
 
 def make_scaling(scale=2.0**14, period=2000):
-    return jaxamp.DynamicLossScaling(
+    return jaxamp.migration.mpx.DynamicLossScaling(
         loss_scaling=jnp.array(scale, dtype=jnp.float32),
         min_loss_scaling=jnp.array(2.0**-14, dtype=jnp.float32),
         factor=2,
@@ -257,7 +271,7 @@ def test_adjust_finite_grads():
     scaling = make_scaling()
     for _ in range(2000):  # one full period
         scaling = _adjust(scaling, jnp.array(True))
-    assert isinstance(scaling, jaxamp.DynamicLossScaling)
+    assert isinstance(scaling, jaxamp.migration.mpx.DynamicLossScaling)
     assert float(scaling.loss_scaling) == 2.0**15 and int(scaling.counter) == 0
     for _ in range(2000):
         scaling = _adjust(scaling, jnp.array(True))
@@ -279,14 +293,16 @@ def test_scaling_clipping():
 
 def test_scaled_decorator():
     scaling = make_scaling()
-    result = jaxamp.scaled(lambda x: x, scaling)(FINITE_TREE)
+    result = jaxamp.migration.mpx.scaled(lambda x: x, scaling)(FINITE_TREE)
     np.testing.assert_array_equal(result["a"], FINITE_TREE["a"] * 2**14)
-    value, aux = jaxamp.scaled(lambda x: (x, x), scaling, has_aux=True)(
+    value, aux = jaxamp.migration.mpx.scaled(lambda x: (x, x), scaling, has_aux=True)(
         jnp.float32(2.0)
     )
     assert (float(value), float(aux)) == (2.0**15, 2.0)
-    with pytest.raises(TypeError, match="scaling must be a jaxamp.DynamicLoss"):
-        jaxamp.scaled(lambda x: x, 2.0**15)
+    with pytest.raises(
+        TypeError, match="scaling must be a jaxamp.migration.mpx.DynamicLoss"
+    ):
+        jaxamp.migration.mpx.scaled(lambda x: x, 2.0**15)
 
 
 def test_dynamic_loss_scaling_fields_and_errors():
@@ -298,11 +314,11 @@ def test_dynamic_loss_scaling_fields_and_errors():
     rebuilt = jax.tree_util.tree_unflatten(
         jax.tree_util.tree_structure(scaling), leaves
     )
-    assert type(rebuilt) is jaxamp.DynamicLossScaling
+    assert type(rebuilt) is jaxamp.migration.mpx.DynamicLossScaling
     with pytest.raises(ValueError, match="period=0 must be >= 1"):
         make_scaling(period=0)
     with pytest.raises(ValueError, match="scaler=-1.0 must be > 0"):
-        jaxamp.DynamicLossScaling(jnp.float32(-1.0), jnp.float32(1.0))
+        jaxamp.migration.mpx.DynamicLossScaling(jnp.float32(-1.0), jnp.float32(1.0))
 
 
 @pytest.mark.parametrize("period", [1, 3])
@@ -315,7 +331,9 @@ def test_scale_sequence_equals_mpxs(period):
     ref = mpx.DynamicLossScaling(
         jnp.float32(2.0**13), jnp.float32(1.0), factor=2, period=period
     )
-    ours = jaxamp.DynamicLossScaling(jnp.float32(2.0**13), jnp.float32(1.0), 2, period)
+    ours = jaxamp.migration.mpx.DynamicLossScaling(
+        jnp.float32(2.0**13), jnp.float32(1.0), 2, period
+    )
     for finite in pattern:
         with jax.numpy_dtype_promotion("standard"):  # mpx mixes bool and int32
             ref = ref.adjust(jnp.bool_(finite))
@@ -359,42 +377,47 @@ def test_select_tree():
     tree_a = {"a": jnp.array([1.0, 2.0]), "b": jnp.array([3.0, 4.0])}
     tree_b = {"a": jnp.array([5.0, 6.0]), "b": jnp.array([7.0, 8.0])}
     for pred, want in ((True, tree_a), (False, tree_b)):
-        result = jaxamp.select_tree(jnp.array(pred), tree_a, tree_b)
+        result = jaxamp.training.select_tree(jnp.array(pred), tree_a, tree_b)
         for k in "ab":
             np.testing.assert_array_equal(result[k], want[k])
 
 
 def test_filter_grad():
     scaling = make_scaling(2.0**10)
-    new, grads_finite, grad = jax.jit(jaxamp.filter_grad(loss_fn, scaling))(
-        SimpleModel(), X, Y
-    )
+    new, grads_finite, grad = jax.jit(
+        jaxamp.migration.mpx.filter_grad(loss_fn, scaling)
+    )(SimpleModel(), X, Y)
     assert bool(grads_finite) and isinstance(grad, SimpleModel)
-    assert isinstance(new, jaxamp.DynamicLossScaling) and int(new.counter) == 1
+    assert (
+        isinstance(new, jaxamp.migration.mpx.DynamicLossScaling)
+        and int(new.counter) == 1
+    )
     # pred = 5.5, loss = 3.5**2: float16-exact, so the unscaled gradients are
     # exact: d/dw = 2 * 3.5 * x, d/db = 7, in float32.
     assert (grad.weight.dtype, grad.bias.dtype) == (F32, F32)
     assert grad.weight.tolist() == [7.0, 14.0] and grad.bias.tolist() == [7.0]
-    new, grads_finite, grad = jaxamp.filter_grad(bad_loss_fn, scaling)(
+    new, grads_finite, grad = jaxamp.migration.mpx.filter_grad(bad_loss_fn, scaling)(
         SimpleModel(), X, Y
     )
     assert not bool(grads_finite) and float(new.loss_scaling) == 2.0**9
-    _, finite, grad, aux = jaxamp.filter_grad(loss_fn_with_aux, scaling, has_aux=True)(
-        SimpleModel(), X, Y
-    )
+    _, finite, grad, aux = jaxamp.migration.mpx.filter_grad(
+        loss_fn_with_aux, scaling, has_aux=True
+    )(SimpleModel(), X, Y)
     assert bool(finite) and grad.weight.tolist() == [7.0, 14.0]
     assert aux["pred"].dtype == F16 and aux["pred"].tolist() == [5.5]
 
 
 def test_filter_value_and_grad():
     scaling = make_scaling(2.0**10)
-    value, new, grads_finite, grad = jaxamp.filter_value_and_grad(loss_fn, scaling)(
-        SimpleModel(), X, Y
-    )
+    value, new, grads_finite, grad = jaxamp.migration.mpx.filter_value_and_grad(
+        loss_fn, scaling
+    )(SimpleModel(), X, Y)
     assert value.dtype == F32 and float(value) == 12.25
     assert bool(grads_finite) and isinstance(grad, SimpleModel)
-    assert isinstance(new, jaxamp.DynamicLossScaling)
-    vg = jaxamp.filter_value_and_grad(loss_fn_with_aux, scaling, has_aux=True)
+    assert isinstance(new, jaxamp.migration.mpx.DynamicLossScaling)
+    vg = jaxamp.migration.mpx.filter_value_and_grad(
+        loss_fn_with_aux, scaling, has_aux=True
+    )
     (value, aux), new, grads_finite, grad = vg(SimpleModel(), X, Y)
     assert float(value) == 12.25 and "pred" in aux and bool(grads_finite)
     assert grad.bias.tolist() == [7.0]
@@ -402,9 +425,13 @@ def test_filter_value_and_grad():
 
 def test_without_mixed_precision_nothing_is_cast_or_scaled():
     model = SimpleModel()
-    out = jaxamp.filter_grad(loss_fn, None, use_mixed_precision=False)(model, X, Y)
+    out = jaxamp.migration.mpx.filter_grad(loss_fn, None, use_mixed_precision=False)(
+        model, X, Y
+    )
     assert out[0] is None and bool(out[1]) and out[2].weight.tolist() == [7.0, 14.0]
-    vg = jaxamp.filter_value_and_grad(loss_fn, None, use_mixed_precision=False)
+    vg = jaxamp.migration.mpx.filter_value_and_grad(
+        loss_fn, None, use_mixed_precision=False
+    )
     value, scaling, finite, grad = vg(model, X, Y)
     assert (float(value), value.dtype, scaling, bool(finite)) == (
         12.25,
@@ -412,15 +439,17 @@ def test_without_mixed_precision_nothing_is_cast_or_scaled():
         None,
         True,
     )
-    with pytest.raises(TypeError, match="scaling must be a jaxamp.DynamicLoss"):
-        jaxamp.filter_grad(loss_fn, None)
+    with pytest.raises(
+        TypeError, match="scaling must be a jaxamp.migration.mpx.DynamicLoss"
+    ):
+        jaxamp.migration.mpx.filter_grad(loss_fn, None)
 
 
 def test_gradients_on_a_growth_step_are_not_halved():
     """mpx unscales with the adjusted scale, so on a step where the scale grows
     its gradients are 1/factor of the true ones; jaxamp's are the true ones."""
     mpx = pytest.importorskip("mpx")
-    ours = jaxamp.filter_grad(loss_fn, make_scaling(2.0**4, period=1))
+    ours = jaxamp.migration.mpx.filter_grad(loss_fn, make_scaling(2.0**4, period=1))
     new, _, grad = ours(SimpleModel(), X, Y)
     assert float(new.loss_scaling) == 2.0**5  # the scale grew on this step
     assert grad.weight.tolist() == [7.0, 14.0]
@@ -436,13 +465,17 @@ def test_optimizer_update():
     model, optimizer = SimpleModel(), optax.sgd(learning_rate=0.1)
     opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
     scaling = make_scaling(2.0**10)
-    _, grads_finite, grads = jaxamp.filter_grad(loss_fn, scaling)(model, X, Y)
+    _, grads_finite, grads = jaxamp.migration.mpx.filter_grad(loss_fn, scaling)(
+        model, X, Y
+    )
     new_model, new_state = jaxamp.optimizer_update(
         model, optimizer, opt_state, grads, grads_finite
     )
     assert isinstance(new_model, SimpleModel) and isinstance(new_state, tuple)
     np.testing.assert_allclose(new_model.weight, [0.3, 0.6], rtol=1e-6)
-    _, grads_finite, grads = jaxamp.filter_grad(bad_loss_fn, scaling)(model, X, Y)
+    _, grads_finite, grads = jaxamp.migration.mpx.filter_grad(bad_loss_fn, scaling)(
+        model, X, Y
+    )
     new_model, _ = jaxamp.optimizer_update(
         model, optimizer, opt_state, grads, grads_finite
     )

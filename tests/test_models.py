@@ -261,20 +261,20 @@ def test_gpt_accuracy(compute):
 @pytest.mark.parametrize("compute", [BF16, F16], ids=["bf16", "f16"])
 def test_gpt_grad_matmuls_all_in_compute_dtype(compute):
     closed = gpt_grad_jaxpr(compute)
-    flops = jaxamp.matmul_flops_by_dtype(closed)
+    flops = jaxamp.tools.matmul_flops_by_dtype(closed)
     assert list(flops) == [compute.name]
-    assert jaxamp.low_precision_flop_share(closed) == 1.0
+    assert jaxamp.tools.low_precision_flop_share(closed) == 1.0
     # The forward and backward matmuls of all L layers are counted (scan
     # bodies weighted by their length): at least 3x the forward FLOPs.
     fwd_layer = 2 * B * T * D * (3 * D + D + 8 * D) + 4 * B * T * T * D
     assert flops[compute.name] >= 3 * (L * fwd_layer + 2 * B * T * D * V)
     # Every higher-order primitive was rewritten, not inlined away.
-    kinds = {name for name, _, _ in jaxamp.primitive_dtypes(closed)}
+    kinds = {name for name, _, _ in jaxamp.tools.primitive_dtypes(closed)}
     assert {"scan", "remat2", "jit"} <= kinds
     fwd = jax.make_jaxpr(jaxamp.amp(gpt_loss, compute_dtype=compute))(
         gpt_params(), TOKENS
     )
-    assert "custom_vjp_call" in {n for n, _, _ in jaxamp.primitive_dtypes(fwd)}
+    assert "custom_vjp_call" in {n for n, _, _ in jaxamp.tools.primitive_dtypes(fwd)}
 
 
 @pytest.mark.parametrize("prim", ["exp", "log", "reduce_sum"])
@@ -285,7 +285,7 @@ def test_gpt_grad_range_critical_ops_in_float32(compute, prim):
     broadcasting (LayerNorm gain and bias gradients, per-row statistics)."""
     found = [
         (ins, outs)
-        for name, ins, outs in jaxamp.primitive_dtypes(gpt_grad_jaxpr(compute))
+        for name, ins, outs in jaxamp.tools.primitive_dtypes(gpt_grad_jaxpr(compute))
         if name == prim
     ]
     assert found
@@ -347,7 +347,7 @@ def test_named_sharding_train_step():
     assert all(p.sharding == NamedSharding(mesh, P()) for p in jax.tree.leaves(out[0]))
     # ...and the step really ran its matmuls in bfloat16.
     closed = jax.make_jaxpr(amp_step)(params, tokens)
-    assert jaxamp.low_precision_flop_share(closed) == 1.0
+    assert jaxamp.tools.low_precision_flop_share(closed) == 1.0
 
 
 def test_shard_map_train_step():
@@ -370,11 +370,15 @@ def test_shard_map_train_step():
     amp_step = make(jaxamp.amp(gpt_loss, compute_dtype=BF16))
     _check_same_step(jit(amp_step)(params, tokens), ref, params)
     assert (
-        jaxamp.low_precision_flop_share(jax.make_jaxpr(amp_step)(params, tokens)) == 1
+        jaxamp.tools.low_precision_flop_share(jax.make_jaxpr(amp_step)(params, tokens))
+        == 1
     )
     # amp around the whole shard_map step rewrites its body too.
     outer = jaxamp.amp(make(gpt_loss), compute_dtype=BF16)
-    assert jaxamp.low_precision_flop_share(jax.make_jaxpr(outer)(params, tokens)) == 1
+    assert (
+        jaxamp.tools.low_precision_flop_share(jax.make_jaxpr(outer)(params, tokens))
+        == 1
+    )
     _check_same_step(jit(outer)(params, tokens), ref, params)
 
 
@@ -422,7 +426,10 @@ def test_vmap_with_axis_name_collectives(where):
     g, g_ref = jit(jax.grad(loss(f)))(MLP), jit(jax.grad(loss(ref_f)))(MLP)
     assert tree_dtypes(g) == tree_dtypes(g_ref)
     assert rel_l2(g, g_ref) < 5e-2
-    assert jaxamp.low_precision_flop_share(jax.make_jaxpr(jax.grad(loss(f)))(MLP)) == 1
+    assert (
+        jaxamp.tools.low_precision_flop_share(jax.make_jaxpr(jax.grad(loss(f)))(MLP))
+        == 1
+    )
 
 
 def test_vjp_of_amp_model():
@@ -453,7 +460,7 @@ def test_jit_outside_and_inside_amp_agree():
     # amp(jit(f)) is the same computation as amp(f).
     assert_tree_allclose(both, outside, rtol=1e-5, atol=1e-7)
     closed = jax.make_jaxpr(jax.grad(amp_of_jit))(gpt_params(), TOKENS)
-    assert jaxamp.matmul_flops_by_dtype(closed).keys() == {"bfloat16"}
+    assert jaxamp.tools.matmul_flops_by_dtype(closed).keys() == {"bfloat16"}
     # The outer jit stays a jit equation (rewritten, not inlined).
     assert {e.primitive.name for e in closed.jaxpr.eqns} == {"jit"}
 
@@ -468,11 +475,11 @@ def test_nested_amp():
     # The innermost amp decides inside its region...
     inner_bf16 = amp(amp(gpt_loss, compute_dtype=BF16), compute_dtype=F16)
     closed = jax.make_jaxpr(jax.grad(inner_bf16))(params, TOKENS)
-    assert list(jaxamp.matmul_flops_by_dtype(closed)) == ["bfloat16"]
+    assert list(jaxamp.tools.matmul_flops_by_dtype(closed)) == ["bfloat16"]
     # ...also when it asks for float32: the outer bfloat16 amp leaves it alone.
     inner_f32 = amp(amp(gpt_loss, compute_dtype=F32), compute_dtype=BF16)
     closed = jax.make_jaxpr(jax.grad(inner_f32))(params, TOKENS)
-    assert list(jaxamp.matmul_flops_by_dtype(closed)) == ["float32"]
+    assert list(jaxamp.tools.matmul_flops_by_dtype(closed)) == ["float32"]
     assert_tree_allclose(run(inner_f32), gpt_value_and_grad(), rtol=1e-6, atol=1e-7)
 
 

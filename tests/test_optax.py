@@ -30,15 +30,15 @@ def test_all_finite():
 
 def test_select_tree():
     a, b = {"x": jnp.ones(2), "s": "a"}, {"x": jnp.zeros(2), "s": "b"}
-    out = jaxamp.select_tree(jnp.asarray(False), a, b)
+    out = jaxamp.training.select_tree(jnp.asarray(False), a, b)
     np.testing.assert_array_equal(out["x"], jnp.zeros(2))
     assert out["s"] == "a"
-    out = jaxamp.select_tree(True, a, b)
+    out = jaxamp.training.select_tree(True, a, b)
     np.testing.assert_array_equal(out["x"], jnp.ones(2))
     with pytest.raises(ValueError, match="pred must be a scalar"):
-        jaxamp.select_tree(jnp.ones(2, bool), a, b)
+        jaxamp.training.select_tree(jnp.ones(2, bool), a, b)
     with pytest.raises(ValueError, match=r"leaf \['x'\] is float32\[2\] in a but"):
-        jaxamp.select_tree(True, a, {"x": jnp.zeros(2, jnp.float16), "s": "b"})
+        jaxamp.training.select_tree(True, a, {"x": jnp.zeros(2, jnp.float16), "s": "b"})
 
 
 def _tree_equal(a, b):

@@ -19,20 +19,22 @@ X = jnp.asarray(np.linspace(-300, 300, 32).reshape(4, 8), jnp.bfloat16).astype(F
 
 
 def _dtypes(f, *args, name="dot_general"):
-    table = jaxamp.primitive_dtypes(jax.make_jaxpr(f)(*args))
+    table = jaxamp.tools.primitive_dtypes(jax.make_jaxpr(f)(*args))
     return [tuple(np.dtype(d).name for d in ins) for n, ins, _ in table if n == name]
 
 
 def test_ready_made_rules_are_typed_and_callable():
     for rule in (
-        jaxamp.use_lower_precision,
+        jaxamp.rules.use_lower_precision,
         jaxamp.use_full_precision,
-        jaxamp.follow_compute_precision,
-        jaxamp.use_precision("f16"),
+        jaxamp.rules.follow_compute_precision,
+        jaxamp.rules.use_precision("f16"),
     ):
-        assert isinstance(rule, jaxamp.CastRule)
-    assert isinstance(jaxamp.default_amp_policy["scan"], jaxamp.CarryRule)
-    assert isinstance(jaxamp.fp8_amp_policy["dot_general"], jaxamp.ImplementationRule)
+        assert isinstance(rule, jaxamp.rules.CastRule)
+    assert isinstance(jaxamp.default_amp_policy["scan"], jaxamp.rules.CarryRule)
+    assert isinstance(
+        jaxamp.fp8_amp_policy["dot_general"], jaxamp.rules.ImplementationRule
+    )
     # Called directly with jaxamp 0.0.4's signature, as a user's rule calls them.
     x = jnp.ones(3, F16)
     (out,), params = jaxamp.use_full_precision(BF16, [F16], x)
@@ -47,7 +49,7 @@ def test_plain_function_rule_is_wrapped_and_applied():
 
     pol = AmpPolicy({"exp": exp_in_f16})
     rule = pol.lookup(jax.lax.exp_p, ())
-    assert rule == jaxamp.CastRule(exp_in_f16) and rule.fn is exp_in_f16
+    assert rule == jaxamp.rules.CastRule(exp_in_f16) and rule.fn is exp_in_f16
     policy = {**jaxamp.default_amp_policy, "exp": exp_in_f16}
     f = jaxamp.amp(
         lambda x: jnp.exp(x / 300.0).sum(), compute_dtype=BF16, amp_policy=policy
@@ -71,7 +73,7 @@ def _dot_in(dtype):
 def test_implementation_rule_runs_the_equation(typed):
     impl = _dot_in(F16)
     if typed:
-        rule = jaxamp.ImplementationRule(impl)
+        rule = jaxamp.rules.ImplementationRule(impl)
     else:  # a function marked with the attribute jaxamp 0.0.x read
         impl.amp_impl = True
         rule = impl
@@ -85,7 +87,7 @@ def test_implementation_rule_runs_the_equation(typed):
 
 
 def test_builtin_rule_marks_a_copy():
-    rule = jaxamp.fp8_rule()
+    rule = jaxamp.quant.fp8_rule()
     marked = builtin_rule(rule, "dot_general")
     assert marked.builtin_keys == {"dot_general"} and rule.builtin_keys == frozenset()
     assert marked.fn is rule.fn
@@ -100,15 +102,15 @@ def test_builtin_rule_marks_a_copy():
 
 
 def test_attention_rule_only_under_its_key():
-    assert jaxamp.attention_rule("xla") == jaxamp.AttentionRule("xla")
-    assert hash(jaxamp.attention_rule("xla")) == hash(jaxamp.AttentionRule("xla"))
+    assert jaxamp.attention_rule("xla") == jaxamp.rules.AttentionRule("xla")
+    assert hash(jaxamp.attention_rule("xla")) == hash(jaxamp.rules.AttentionRule("xla"))
     assert not callable(jaxamp.attention_rule("xla"))
     with pytest.raises(TypeError, match="belongs under the key 'attention'"):
         AmpPolicy({"mlp": jaxamp.attention_rule("off")})
     with pytest.raises(TypeError, match="belongs under the key 'attention'"):
         AmpPolicy({"enc": {"dot_general": jaxamp.attention_rule("off")}})
     with pytest.raises(ValueError, match="expected one of"):
-        jaxamp.AttentionRule("flash")
+        jaxamp.rules.AttentionRule("flash")
 
 
 def test_attention_rule_is_no_rule_for_a_scope_named_attention():
@@ -143,7 +145,7 @@ def test_scope_policy_values():
     with pytest.raises(TypeError, match=r"amp_policy\['amp_default'\]"):
         AmpPolicy({"amp_default": nested})
     with pytest.raises(TypeError, match="must be callable"):
-        jaxamp.CastRule("float32")
+        jaxamp.rules.CastRule("float32")
 
 
 def test_default_policy_is_a_dict_with_a_short_repr():
@@ -182,7 +184,7 @@ def test_policy_value_reprs_are_short():
     )
     small = jaxamp.ScopePolicy({"exp": jaxamp.use_full_precision})
     assert repr(small) == "ScopePolicy({'exp': CastRule(use_full_precision)})"
-    assert repr(jaxamp.use_lower_precision) == "CastRule(use_lower_precision)"
+    assert repr(jaxamp.rules.use_lower_precision) == "CastRule(use_lower_precision)"
     assert repr(jaxamp.attention_rule("xla")) == "attention_rule('xla')"
     carry = jaxamp.default_amp_policy["scan"]
     assert repr(carry) == "CarryRule(narrow_bfloat16_carries)"

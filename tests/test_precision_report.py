@@ -93,7 +93,9 @@ def test_fp8_in_one_mlp_is_found_and_fixed(path_keys):
     loss = _gpt_loss(mlp)
     params, (x, y) = _gpt_params(jax.random.key(0)), _batch()
     policy = {**jaxamp.default_amp_policy, key: jaxamp.fp8_policy(size_rule=None)}
-    report = jaxamp.precision_report(loss, params, x, y, amp_policy=policy)
+    report = jaxamp.precision_report(
+        loss, params, x, y, compute_dtype=BF16, amp_policy=policy
+    )
     assert report.top(1) == ["layer2/" + mlp(2)]
     fp8 = [r for r in report.records if r.format.startswith("float8")]
     assert fp8 and {r.scope for r in fp8} == {"layer2/" + mlp(2)}
@@ -137,7 +139,9 @@ def test_scanned_int8_gpt_ranks_scopes_as_ablation_does():
 
     both = {**params, "head": params["emb"]}
     policy = jaxamp.int8_policy(size_rule=None, quantize_last_matmul=True)
-    report = jaxamp.precision_report(loss, both, x, y, amp_policy=policy)
+    report = jaxamp.precision_report(
+        loss, both, x, y, compute_dtype=BF16, amp_policy=policy
+    )
     # The ranking is what each fix buys: the share of the squared gradient
     # error removed by keeping one scope in bf16, measured by re-running amp.
     removed = {}
@@ -246,7 +250,7 @@ def test_scan_remat_text_json_and_png(tmp_path):
 
     x, y = _batch()
     p = {**params, "layers": stacked}
-    report = jaxamp.precision_report(loss, p, x, y, group_depth=2)
+    report = jaxamp.precision_report(loss, p, x, y, compute_dtype=BF16, group_depth=2)
     scopes = {r.scope for r in report.records}
     assert {"block/attn", "block/mlp", "head"} <= scopes
     assert {r.iteration for r in report.records if r.scope == "block/mlp"} == {
@@ -322,7 +326,7 @@ def test_shard_map_equinox_and_nnx_models():
         )(w, x)
 
     x = round_bf16(jax.random.normal(jax.random.key(1), (4, 8)) * 3)
-    report = jaxamp.precision_report(dp_loss, w, x)
+    report = jaxamp.precision_report(dp_loss, w, x, compute_dtype=BF16)
     assert [r.primitive for r in report.records if r.primitive == "shard_map"]
     assert 1e-4 < report.grad_error < 5e-2
 
@@ -330,14 +334,14 @@ def test_shard_map_equinox_and_nnx_models():
     arrays, rest = eqx.partition(mlp, eqx.is_array)
     mlp = eqx.combine(round_bf16(arrays), rest)
     eqx_loss = lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2)  # noqa: E731
-    report = jaxamp.precision_report(eqx_loss, mlp, x)
+    report = jaxamp.precision_report(eqx_loss, mlp, x, compute_dtype=BF16)
     assert set(report.grad_errors) == {"total", "layers"}
     assert 1e-4 < report.grad_errors["layers"] < 5e-2
 
     model = nnx.Linear(8, 8, rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)
     nnx_loss = lambda s, x: jnp.mean(nnx.merge(graphdef, s)(x) ** 2)  # noqa: E731
-    report = jaxamp.precision_report(nnx_loss, round_bf16(state), x)
+    report = jaxamp.precision_report(nnx_loss, round_bf16(state), x, compute_dtype=BF16)
     assert set(report.grad_errors) == {"total", "bias", "kernel"}
     assert 1e-4 < report.grad_error < 5e-2
 
@@ -366,7 +370,7 @@ def test_attention_mask_sentinel_is_no_error():
     w = round_bf16(jax.random.normal(jax.random.key(0), (8, 8)) / 3)
     x = round_bf16(jax.random.normal(jax.random.key(1), (4, 8)))
     policy = jaxamp.int8_policy(size_rule=None, quantize_last_matmul=True)
-    report = jaxamp.precision_report(loss, w, x, amp_policy=policy)
+    report = jaxamp.precision_report(loss, w, x, compute_dtype=BF16, amp_policy=policy)
     for r in report.records:
         assert np.isfinite(r.propagated_error) and np.isfinite(r.local_error), r
         assert r.overflow == 0 and np.isfinite(r.loss_share), r
@@ -402,7 +406,7 @@ def test_custom_vjp_primal_body_is_walked():
 
     w = round_bf16(jax.random.normal(jax.random.key(0), (8, 8)))
     x = round_bf16(jax.random.normal(jax.random.key(1), (4, 8)) * 30)
-    report = jaxamp.precision_report(loss, w, x)
+    report = jaxamp.precision_report(loss, w, x, compute_dtype=BF16)
     prims = [(r.primitive, r.scope, r.format) for r in report.records]
     assert prims[:2] == [("dot_general", "cv", "bfloat16"), ("tanh", "cv", "float32")]
     assert report.top(1) == ["cv"]
@@ -444,7 +448,7 @@ def loop_reports():
     try:
         for unroll in (False, True):
             _precision_walk.UNROLL = unroll
-            out[unroll] = jaxamp.precision_report(loss, p, x, y)
+            out[unroll] = jaxamp.precision_report(loss, p, x, y, compute_dtype=BF16)
     finally:
         _precision_walk.UNROLL = False
     return out
@@ -499,7 +503,7 @@ def _fake_report(layers):
             rec("mlp", (t,), 2.0),
         ]
     recs.append(rec("head", (), 3.0))
-    return jaxamp.PrecisionReport(recs, 0.0, 0.0, {"total": 0.0}, "bfloat16")
+    return jaxamp.tools.PrecisionReport(recs, 0.0, 0.0, {"total": 0.0}, "bfloat16")
 
 
 def test_heatmap_rows_follow_the_model_and_stay_readable_when_deep():

@@ -1,6 +1,7 @@
 """The public API: a sorted __all__, every name documented, nothing private."""
 
 import ast
+import importlib
 import inspect
 import pydoc
 import typing
@@ -9,6 +10,8 @@ from pathlib import Path
 import pytest
 
 import jaxamp
+
+NAMESPACES = ("quant", "rules", "tools", "training")
 
 
 def test_all_is_sorted_and_complete():
@@ -55,8 +58,11 @@ def test_jaxamp_004_names_exist():
 
 
 def _public_callables():
-    modules = [("jaxamp", jaxamp)] + [
-        (f"jaxamp.compat.{m}", getattr(jaxamp.compat, m)) for m in jaxamp.compat.__all__
+    modules = [("jaxamp", jaxamp)]
+    modules += [(f"jaxamp.{m}", getattr(jaxamp, m)) for m in NAMESPACES]
+    modules += [
+        (f"jaxamp.migration.{m}", getattr(jaxamp.migration, m))
+        for m in jaxamp.migration.__all__
     ]
     for prefix, module in modules:
         for name in module.__all__:
@@ -106,3 +112,38 @@ def test_a_jax_newer_than_tested_warns_naming_the_tested_versions():
     with pytest.warns(UserWarning, match=r"tested with JAX 0\.10 and 0\.11.*0\.12\.0"):
         assert _compat.warn_untested_jax("0.12.0")
     assert not _compat.warn_untested_jax("dev")
+
+
+def test_top_level_names_few_and_grouped_names_complete():
+    # The top level holds what a training script calls; every other public
+    # name lives in one namespace, each with a sorted __all__.
+    assert len(jaxamp.__all__) <= 35
+    public = [n for n in dir(jaxamp) if not n.startswith("_")]
+    assert len(public) <= 40 and set(public) <= set(jaxamp.__all__) | {"compat"}
+    for ns in NAMESPACES:
+        module = getattr(jaxamp, ns)
+        assert list(module.__all__) == sorted(module.__all__), ns
+        assert all(hasattr(module, n) for n in module.__all__), ns
+    for name, home in jaxamp._MOVED.items():
+        module = importlib.import_module(f"jaxamp.{home}")
+        assert name in module.__all__, (name, home)
+
+
+@pytest.mark.parametrize("name", sorted(jaxamp._MOVED))
+def test_moved_name_served_with_a_deprecation_naming_its_home(name):
+    home = jaxamp._MOVED[name]
+    with pytest.warns(DeprecationWarning, match=rf"jaxamp\.{home}\.{name}\b"):
+        obj = getattr(jaxamp, name)
+    assert obj is getattr(importlib.import_module(f"jaxamp.{home}"), name)
+
+
+def test_deprecated_force_full_precision_and_compat_package():
+    from jaxamp.migration import _mpx
+
+    with pytest.warns(DeprecationWarning, match="jaxamp.amp_stop"):
+        assert jaxamp.force_full_precision is _mpx.force_full_precision
+    with pytest.warns(DeprecationWarning, match=r"jaxamp\.migration\.jmp"):
+        from jaxamp.compat import jmp
+    assert jmp is jaxamp.migration.jmp
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        jaxamp.nope  # noqa: B018

@@ -24,7 +24,7 @@ DN = (((1,), (0,)), ((), ()))
 D, T, B, H, V = 64, 32, 4, 4, 32
 # Quantize the model's linear layers (K, N >= 64); attention products
 # (K = head dim 16) and the vocabulary head (N = 32) stay in bfloat16.
-RULE = jaxamp.min_matmul_size(k=64, n=64)
+RULE = jaxamp.quant.min_matmul_size(k=64, n=64)
 
 
 def rel(a, b):
@@ -110,7 +110,7 @@ def dots(closed):
     return [
         (*(np.dtype(v.aval.dtype) for v in e.invars), np.dtype(e.outvars[0].aval.dtype))
         + (e.outvars[0].aval.shape,)
-        for e, _ in jaxamp.iter_equations(closed)
+        for e, _ in jaxamp.tools.iter_equations(closed)
         if e.primitive.name == "dot_general"
     ]
 
@@ -118,7 +118,7 @@ def dots(closed):
 def int8_casts(closed):
     return sum(
         1
-        for e, _ in jaxamp.iter_equations(closed)
+        for e, _ in jaxamp.tools.iter_equations(closed)
         if e.primitive.name == "convert_element_type" and e.params["new_dtype"] == I8
     )
 
@@ -171,7 +171,7 @@ def test_gpt_gradient_matmuls_run_in_int8(wgrad):
     # Everything else (attention products K = 16, head N = 32) stays in bf16.
     rest = [d for d in table if d[:2] != (I8, I8)]
     assert rest and all(d[:2] == (BF16, BF16) for d in rest), rest
-    share = jaxamp.eight_bit_flop_share(closed)
+    share = jaxamp.tools.eight_bit_flop_share(closed)
     assert 0.5 < share < 1.0
 
 
@@ -252,15 +252,17 @@ def test_scales_are_per_row_and_column_or_per_tensor(granularity):
     w = normal(3, (D, 3 * D))
     dn = (((2,), (0,)), ((), ()))
     f = jax.jit(
-        lambda x, w: jaxamp.int8_dot_general(x, w, dn, F32, granularity=granularity)
+        lambda x, w: jaxamp.quant.int8_dot_general(
+            x, w, dn, F32, granularity=granularity
+        )
     )
     amax_shapes = {
         e.outvars[0].aval.shape
-        for e, _ in jaxamp.iter_equations(jax.make_jaxpr(f)(x, w))
+        for e, _ in jaxamp.tools.iter_equations(jax.make_jaxpr(f)(x, w))
         if e.primitive.name == "reduce_max"
     }
     assert amax_shapes == ({(B, T), (3 * D,)} if granularity == "rowwise" else {()})
-    quantize = jax.jit(jaxamp.int8_quantize, static_argnums=1)
+    quantize = jax.jit(jaxamp.quant.int8_quantize, static_argnums=1)
     q, s = quantize(x, (2,))
     assert q.dtype == I8 and s.shape == (B, T, 1)
     assert np.all(np.abs(np.asarray(q)).max(-1) == 127)  # every row uses the range
@@ -304,7 +306,7 @@ def test_residuals_are_int8_and_below_bfloat16():
 def test_stochastic_rounding_is_unbiased():
     # 0.3 * 127 = 38.1: rounds to 38 or 39, on average 38.1.
     x = jnp.asarray(np.r_[np.float32(1.0), np.full(2**16 - 1, 0.3, np.float32)])
-    q, s = jax.jit(functools.partial(jaxamp.int8_quantize, stochastic=True))(x)
+    q, s = jax.jit(functools.partial(jaxamp.quant.int8_quantize, stochastic=True))(x)
     assert float(s.reshape(())) == 127.0
     mean = float(jnp.mean(q[1:].astype(F32)))
     # Std of the mean: sqrt(0.1 * 0.9 / 65535) = 1.2e-3.
@@ -312,9 +314,9 @@ def test_stochastic_rounding_is_unbiased():
     assert abs(float(jnp.mean(jnp.round(x[1:] * 127))) - 38.1) > 0.09  # nearest: 38
     # Per element over many keys: the mean of the draws converges to x * s.
     y = normal(4, (512,))
-    draw = lambda k: jaxamp.int8_quantize(y, stochastic=True, seed=k)[0]
+    draw = lambda k: jaxamp.quant.int8_quantize(y, stochastic=True, seed=k)[0]
     draws = jax.jit(jax.vmap(draw))(jnp.arange(400, dtype=jnp.uint32))
-    scaled = np.asarray(y * jaxamp.int8_quantize(y)[1])
+    scaled = np.asarray(y * jaxamp.quant.int8_quantize(y)[1])
     # Per element: std of a 400-draw mean <= 0.5 / 20 = 0.025.
     assert np.abs(np.asarray(draws, np.float64).mean(0) - scaled).max() < 0.13
     u = NOISE(y, 0)
@@ -562,7 +564,7 @@ def test_data_parallel_shard_map():
 def test_non_finite_and_zero_inputs():
     w = normal(13, (8, 3))
     z = jnp.zeros((4, 8))
-    f = lambda a, b: jaxamp.int8_dot_general(a, b, DN, F32)
+    f = lambda a, b: jaxamp.quant.int8_dot_general(a, b, DN, F32)
     jf = jax.jit(f)
     assert float(jnp.abs(jf(z, w)).max()) == 0.0
     for bad in (jnp.inf, jnp.nan):
@@ -580,7 +582,7 @@ def test_forward_in_compute_dtype_with_int8_backward():
     w = normal(15, (64, 32))
     c = normal(16, (16, 32))
     f = lambda a, b: jnp.sum(
-        jaxamp.int8_dot_general(a, b, DN, F32, forward=False, wgrad=True) * c
+        jaxamp.quant.int8_dot_general(a, b, DN, F32, forward=False, wgrad=True) * c
     )
     dx, dw = jax.jit(jax.grad(f, (0, 1)))(x, w)
     assert rel(dx, c @ w.T) < 0.03 and rel(dw, x.T @ c) < 0.03
@@ -592,7 +594,7 @@ def test_bad_arguments_name_the_argument():
     with pytest.raises(ValueError, match="granularity"):
         jaxamp.int8_policy(granularity="blockwise")
     with pytest.raises(TypeError, match="dgrad"):
-        jaxamp.int8_rule(dgrad=1)
+        jaxamp.quant.int8_rule(dgrad=1)
     with pytest.raises(TypeError, match="size_rule"):
         jaxamp.int8_policy(quantize_last_matmul=True, size_rule=512)
     with pytest.raises(TypeError, match=r"\('mlp',\)"):
@@ -600,18 +602,18 @@ def test_bad_arguments_name_the_argument():
     with pytest.raises(TypeError, match="key"):
         jaxamp.int8_policy(key=0)
     with pytest.raises(ValueError, match="min_matmul_size"):
-        jaxamp.min_matmul_size(k=-1)
+        jaxamp.quant.min_matmul_size(k=-1)
     with pytest.raises(ValueError, match="float array"):
-        jaxamp.int8_quantize(jnp.ones(3, jnp.int32))
+        jaxamp.quant.int8_quantize(jnp.ones(3, jnp.int32))
     with pytest.raises(TypeError, match="callable"):
         jaxamp.quantization_report(3)
 
 
 def test_size_rules_follow_torchao():
-    assert not jaxamp.torchao_rowwise_size_rule(8192, 4096, 2048)
-    assert not jaxamp.torchao_rowwise_size_rule(8192, 1024, 8192)
-    assert not jaxamp.torchao_rowwise_size_rule(8192, 2048, 4096)
-    assert jaxamp.torchao_rowwise_size_rule(8192, 4096, 4096)
-    assert not jaxamp.torchao_tensorwise_size_rule(8192, 4096, 1024)
-    assert jaxamp.torchao_tensorwise_size_rule(8192, 4096, 2048)
-    assert jaxamp.torchao_tensorwise_size_rule(8192, 8192, 1024)
+    assert not jaxamp.quant.torchao_rowwise_size_rule(8192, 4096, 2048)
+    assert not jaxamp.quant.torchao_rowwise_size_rule(8192, 1024, 8192)
+    assert not jaxamp.quant.torchao_rowwise_size_rule(8192, 2048, 4096)
+    assert jaxamp.quant.torchao_rowwise_size_rule(8192, 4096, 4096)
+    assert not jaxamp.quant.torchao_tensorwise_size_rule(8192, 4096, 1024)
+    assert jaxamp.quant.torchao_tensorwise_size_rule(8192, 4096, 2048)
+    assert jaxamp.quant.torchao_tensorwise_size_rule(8192, 8192, 1024)

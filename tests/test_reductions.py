@@ -42,7 +42,7 @@ def low_sums(closed):
     """Low-precision reduce_sums that add more than one term (a sum over size-1
     axes, the transpose of a keepdims broadcast, is exact in any dtype)."""
     out = []
-    for e, _ in jaxamp.iter_equations(closed):
+    for e, _ in jaxamp.tools.iter_equations(closed):
         if e.primitive.name != "reduce_sum":
             continue
         (x,), (y,) = e.invars, e.outvars
@@ -62,11 +62,11 @@ def rel_l2(a, b):
 def test_backward_sums_of_broadcasts_run_in_float32(compute):
     grad = jax.grad(jaxamp.amp(loss, compute_dtype=compute), argnums=(0, 1, 2, 3))
     closed = jax.make_jaxpr(grad)(X, W, G, BIAS)
-    sums = [n for n, _, _ in jaxamp.primitive_dtypes(closed) if n == "reduce_sum"]
+    sums = [n for n, _, _ in jaxamp.tools.primitive_dtypes(closed) if n == "reduce_sum"]
     assert len(sums) >= 8  # the forward statistics and the backward sums
     assert low_sums(closed) == []
     # The elementwise ops still run in the compute dtype.
-    muls = [i for n, i, _ in jaxamp.primitive_dtypes(closed) if n == "mul"]
+    muls = [i for n, i, _ in jaxamp.tools.primitive_dtypes(closed) if n == "mul"]
     assert any(i == (compute, compute) for i in muls)
 
 
@@ -143,5 +143,5 @@ def test_max_ties_share_the_gradient_with_float32_counts():
 
 def test_float32_compute_binds_plain_primitives():
     closed = jax.make_jaxpr(jaxamp.amp(loss, compute_dtype=F32))(X, W, G, BIAS)
-    names = {n for n, _, _ in jaxamp.primitive_dtypes(closed)}
+    names = {n for n, _, _ in jaxamp.tools.primitive_dtypes(closed)}
     assert "custom_jvp_call" not in names

@@ -55,21 +55,25 @@ def test_use_compute_precision_never_widens_a_float8_matmul():
 
     x, w = jnp.ones((3, 4)), jnp.ones((4, 5))
     closed = jax.make_jaxpr(jaxamp.amp(f, compute_dtype=BF16))(x, w)
-    dots = [(i, o) for n, i, o in jaxamp.primitive_dtypes(closed) if n == "dot_general"]
+    dots = [
+        (i, o)
+        for n, i, o in jaxamp.tools.primitive_dtypes(closed)
+        if n == "dot_general"
+    ]
     assert dots == [((e4m3, e4m3), (F32,))]
     assert jaxamp.amp(f, compute_dtype=BF16)(x, w) == f(x, w)
 
 
 def test_follow_goes_low_when_a_traced_input_is_low():
     low, full = jnp.ones(3, jnp.bfloat16), jnp.ones(3, jnp.float32)
-    out, _ = jaxamp.follow_compute_precision(BF16, [F32, F32], low, full)
+    out, _ = jaxamp.rules.follow_compute_precision(BF16, [F32, F32], low, full)
     assert _dtypes(out) == [BF16, BF16]
 
 
 def test_follow_restores_original_dtypes_otherwise():
     a, b = jnp.ones(3, jnp.float32), jnp.ones(3, jnp.float16)
     # Neither input is in the compute dtype: each goes back to its traced dtype.
-    out, _ = jaxamp.follow_compute_precision(BF16, [F32, F32], a, b)
+    out, _ = jaxamp.rules.follow_compute_precision(BF16, [F32, F32], a, b)
     assert _dtypes(out) == [F32, F32]
 
 
@@ -77,11 +81,13 @@ def test_follow_ignores_literals_and_weak_values_when_deciding():
     # A bfloat16 literal alone must not pull a float32 operand down.
     lit = np.asarray(2.0, dtype=BF16)
     full = jnp.ones(3, jnp.float32)
-    out, _ = jaxamp.follow_compute_precision(BF16, [F32, F32], full, lit)
+    out, _ = jaxamp.rules.follow_compute_precision(BF16, [F32, F32], full, lit)
     assert _dtypes(out) == [F32, F32]
     # ...but a literal follows a traced low operand.
     low = jnp.ones(3, jnp.bfloat16)
-    out, _ = jaxamp.follow_compute_precision(BF16, [F32, F32], low, np.float32(2.0))
+    out, _ = jaxamp.rules.follow_compute_precision(
+        BF16, [F32, F32], low, np.float32(2.0)
+    )
     assert _dtypes(out) == [BF16, BF16]
     assert not isinstance(out[1], jax.Array)  # stays a literal (numpy) value
 
@@ -96,9 +102,9 @@ def test_use_full_precision_is_float32_but_never_narrows():
 
 def test_use_widest_and_use_precision():
     a, b = jnp.ones(2, jnp.bfloat16), jnp.ones(2, jnp.float32)
-    out, _ = jaxamp.use_widest_precision(BF16, [F32, F32], a, b)
+    out, _ = jaxamp.rules.use_widest_precision(BF16, [F32, F32], a, b)
     assert _dtypes(out) == [F32, F32]
-    rule = jaxamp.use_precision("f16")
+    rule = jaxamp.rules.use_precision("f16")
     out, params = rule(BF16, [F32, F32], a, b, preferred_element_type=F32)
     assert _dtypes(out) == [F16, F16]
     assert params["preferred_element_type"] == F16
@@ -106,7 +112,7 @@ def test_use_widest_and_use_precision():
 
 def test_use_precision_rejects_non_float():
     with pytest.raises(ValueError, match="floating"):
-        jaxamp.use_precision(jnp.int32)
+        jaxamp.rules.use_precision(jnp.int32)
 
 
 def test_use_original_precision():
@@ -130,7 +136,7 @@ def test_never_cast_non_float_values():
     for rule in (
         jaxamp.use_compute_precision,
         jaxamp.use_full_precision,
-        jaxamp.follow_compute_precision,
+        jaxamp.rules.follow_compute_precision,
         jaxamp.use_original_precision,
     ):
         out, _ = rule(BF16, [key.dtype, c.dtype, b.dtype], key, c, b)
@@ -140,16 +146,16 @@ def test_never_cast_non_float_values():
 def test_default_table_families():
     p = jaxamp.default_amp_policy
     for name in ("dot_general", "conv_general_dilated"):
-        assert p[name] is jaxamp.use_lower_precision
+        assert p[name] is jaxamp.rules.use_lower_precision
     for name in ("square", "integer_pow"):
-        assert p[name] is jaxamp.use_range_safe_precision
+        assert p[name] is jaxamp.rules.use_range_safe_precision
     for name in ("cholesky", "triangular_solve", "eigh", "lu", "qr", "svd", "schur"):
         assert p[name] is jaxamp.use_full_precision
     for name in ("exp", "log", "log1p", "pow", "rsqrt", "reduce_sum", "cumsum"):
         assert p[name] is jaxamp.use_full_precision
-    assert p["amp_default"] is jaxamp.follow_compute_precision
+    assert p["amp_default"] is jaxamp.rules.follow_compute_precision
     assert p["amp_stop"] is jaxamp.use_original_precision
-    assert p["convert_element_type"] is jaxamp.keep_current_precision
+    assert p["convert_element_type"] is jaxamp.rules.keep_current_precision
     assert "add" not in p and "tanh" not in p  # they follow
 
 
@@ -191,3 +197,68 @@ def test_bfloat16_result_matmuls_accumulate_in_float32():
     for result in (dot(a, ones), conv(a, ones)):
         assert result.dtype == jnp.bfloat16
         assert float(result.reshape(())) == 9.0
+
+
+# Rules receive their context ---------------------------------------------------
+
+
+def _layernorm_loss(w, x):
+    with jax.named_scope("norm"):
+        h = x @ w
+        c = h - h.mean(-1, keepdims=True)
+        y = c * jax.lax.rsqrt((c * c).mean(-1, keepdims=True) + 1e-5)
+    return jnp.sum((y @ w) ** 2)
+
+
+def _sub_dtypes(f, *args):
+    jaxpr = jax.make_jaxpr(f)(*args)
+    return [
+        e.invars[0].aval.dtype
+        for e, _ in jaxamp.tools.iter_equations(jaxpr)
+        if e.primitive.name == "sub"
+    ]
+
+
+def test_context_rule_gets_facts_scopes_policy_and_residual_format():
+    seen = []
+
+    @jaxamp.rules.CastRule.with_context
+    def record(ctx, *invars, **params):
+        seen.append(ctx)
+        return jaxamp.rules.follow_compute_precision.decide(ctx, *invars, **params)
+
+    policy = {**jaxamp.default_amp_policy, "sub": record}
+    w = jnp.ones((32, 32)) / 32
+    x = 100.0 * jax.random.normal(jax.random.key(0), (8, 32))
+    f = jaxamp.amp(
+        _layernorm_loss, compute_dtype=BF16, amp_policy=policy, residual_dtype="int8"
+    )
+    # The centring runs in float32 (the facts reached the rule), as by default.
+    assert _sub_dtypes(f, w, x) == [F32]
+    (ctx,) = {id(c): c for c in seen}.values()
+    assert ctx.facts.centring and ctx.scopes == ("norm",)
+    assert ctx.compute_dtype == BF16 and ctx.original_dtypes == (F32, F32)
+    assert ctx.residual_format.dtype == np.dtype(np.int8)
+    assert ctx.policy.lookup(jax.lax.sub_p, ("norm",)) is record
+
+
+def test_rule_with_0_0_4_signature_delegating_to_a_context_rule():
+    # A user's rule with jaxamp 0.0.4's signature calls the built-in rule as
+    # it did; the built-in reads the walk's facts through the adapter, so the
+    # centring still runs in float32 (with every fact unknown it would follow
+    # the bfloat16 matmul output).
+    def mine(compute_dtype, original_dtypes, *invars, **params):
+        assert isinstance(original_dtypes, list)
+        return jaxamp.rules.follow_compute_precision(
+            compute_dtype, original_dtypes, *invars, **params
+        )
+
+    policy = {**jaxamp.default_amp_policy, "sub": mine}
+    w = jnp.ones((32, 32)) / 32
+    x = 100.0 * jax.random.normal(jax.random.key(0), (8, 32))
+    f = jaxamp.amp(_layernorm_loss, compute_dtype=BF16, amp_policy=policy)
+    assert _sub_dtypes(f, w, x) == [F32]
+    # Called by hand, outside a walk: every fact unknown, plain "follow".
+    low = jnp.ones((2, 32), BF16)
+    out, _ = jaxamp.rules.follow_compute_precision(BF16, [F32, F32], low, jnp.ones(32))
+    assert _dtypes(out) == [BF16, BF16]

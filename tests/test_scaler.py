@@ -80,7 +80,7 @@ def test_exact_scaler_sequence(value_and_grad, filt, has_aux, redo):
     maker = (
         jaxamp.dynamic_scale_value_and_grad
         if value_and_grad
-        else jaxamp.dynamic_scale_grad
+        else jaxamp.training.dynamic_scale_grad
     )
     g = jax.jit(
         maker(
@@ -151,7 +151,7 @@ def test_gradients_on_the_growth_step_equal_unscaled_float32_gradients():
 
 
 def test_redo_on_nan_recovers_within_one_call():
-    g = jax.jit(jaxamp.dynamic_scale_grad(cube, redo_on_nan=5, filter=False))
+    g = jax.jit(jaxamp.training.dynamic_scale_grad(cube, redo_on_nan=5, filter=False))
     state, grads = g(
         jnp.asarray(2.0, jnp.float16), dynamic_scaler_state=jaxamp.DynamicScalerState()
     )
@@ -162,7 +162,7 @@ def test_redo_on_nan_recovers_within_one_call():
 
 
 def test_redo_on_nan_stops_at_min_scaler():
-    g = jax.jit(jaxamp.dynamic_scale_grad(cube, redo_on_nan=5))
+    g = jax.jit(jaxamp.training.dynamic_scale_grad(cube, redo_on_nan=5))
     state = jaxamp.DynamicScalerState(scaler=2.0**15, min_scaler=2.0**14)
     state, grads = g(jnp.asarray(2.0, jnp.float16), dynamic_scaler_state=state)
     # 2**15 overflows -> 2**14 (the floor); the retry overflows too; retrying at
@@ -188,7 +188,7 @@ def test_redo_on_nan_carries_non_array_aux_and_works_under_filter_jit():
 
 def test_argnums_with_filter_false():
     f = lambda a, b: (a * b).astype(jnp.float32).sum()
-    g = jaxamp.dynamic_scale_grad(f, filter=False, argnums=(0, 1))
+    g = jaxamp.training.dynamic_scale_grad(f, filter=False, argnums=(0, 1))
     a, b = jnp.asarray(3.0, jnp.float16), jnp.asarray(5.0, jnp.float16)
     state = jaxamp.DynamicScalerState(scaler=256)
     _, (ga, gb) = g(a, b, dynamic_scaler_state=state)
@@ -198,15 +198,18 @@ def test_argnums_with_filter_false():
     )
     assert (float(v), float(gb)) == (15.0, 3.0)
     with pytest.raises(ValueError, match="argnums=1 needs filter=False"):
-        jaxamp.dynamic_scale_grad(f, filter=True, argnums=1)
+        jaxamp.training.dynamic_scale_grad(f, filter=True, argnums=1)
 
 
 def test_a_loss_that_is_not_callable_is_named_at_once():
-    for make in (jaxamp.dynamic_scale_grad, jaxamp.dynamic_scale_value_and_grad):
+    for make in (
+        jaxamp.training.dynamic_scale_grad,
+        jaxamp.dynamic_scale_value_and_grad,
+    ):
         with pytest.raises(TypeError, match="fun must be the loss function"):
             make(jnp.ones(3))
     with pytest.raises(TypeError, match="transform must be a gradient transformation"):
-        jaxamp.dynamic_scale_tx(None)
+        jaxamp.training.dynamic_scale_tx(None)
 
 
 def test_filter_true_differentiates_the_model_arrays_only():
@@ -215,7 +218,7 @@ def test_filter_true_differentiates_the_model_arrays_only():
     def loss(m, x):
         return jnp.sum(m["w"] * x) * m["n"]
 
-    g = jaxamp.dynamic_scale_grad(loss)  # filter=True is the default
+    g = jaxamp.training.dynamic_scale_grad(loss)  # filter=True is the default
     state = jaxamp.DynamicScalerState(scaler=2.0**10)
     _, grads = g(model, jnp.ones(3, jnp.float16), dynamic_scaler_state=state)
     assert grads["n"] is None and grads["act"] is None
@@ -225,7 +228,7 @@ def test_filter_true_differentiates_the_model_arrays_only():
 def test_dynamic_scale_tx_has_the_0_0_4_call_shape():
     # dynamic_scale_tx(transform, redo_on_nan)(fun, **transform_kwargs)
     g = jax.jit(
-        jaxamp.dynamic_scale_tx(jax.value_and_grad, redo_on_nan=100)(
+        jaxamp.training.dynamic_scale_tx(jax.value_and_grad, redo_on_nan=100)(
             cube_aux, has_aux=True
         )
     )
@@ -240,15 +243,15 @@ def test_dynamic_scale_tx_has_the_0_0_4_call_shape():
 
 def test_dynamic_scale_tx_other_transforms_and_custom_scaling():
     # A transform without aux: every float leaf of its results is unscaled.
-    jac = jaxamp.dynamic_scale_tx(jax.jacrev)(cube)
+    jac = jaxamp.training.dynamic_scale_tx(jax.jacrev)(cube)
     _, d = jac(
         jnp.asarray(2.0, jnp.float16),
         dynamic_scaler_state=jaxamp.StaticScalerState(8.0),
     )
     assert float(d) == 12.0 and d.dtype == jnp.float32
     with pytest.raises(ValueError, match="pass has_value=True"):
-        jaxamp.dynamic_scale_tx(jax.jacrev)(cube_aux, has_aux=True)
-    jac_aux = jaxamp.dynamic_scale_tx(jax.jacrev, has_value=False)(
+        jaxamp.training.dynamic_scale_tx(jax.jacrev)(cube_aux, has_aux=True)
+    jac_aux = jaxamp.training.dynamic_scale_tx(jax.jacrev, has_value=False)(
         cube_aux, has_aux=True
     )
     _, (d, aux) = jac_aux(
@@ -258,7 +261,7 @@ def test_dynamic_scale_tx_other_transforms_and_custom_scaling():
     assert (float(d), float(aux["half"])) == (12.0, 1.0)
     # jaxamp 0.0.4's hooks: scale_fn(output, state), unscale_fn(results, state).
     calls = []
-    tx = jaxamp.dynamic_scale_tx(
+    tx = jaxamp.training.dynamic_scale_tx(
         jax.grad,
         scale_fn=lambda out, st: (
             calls.append("scale") or out * st.scaler.astype(out.dtype)
@@ -307,7 +310,7 @@ def test_bad_inputs():
         jaxamp.DynamicScalerState(scaler=np.ones(2))
     with pytest.raises(ValueError, match="StaticScalerState: scaler=0.0 must be > 0"):
         jaxamp.StaticScalerState(0.0)
-    g = jaxamp.dynamic_scale_grad(cube)
+    g = jaxamp.training.dynamic_scale_grad(cube)
     with pytest.raises(TypeError, match="passed positionally; pass it by keyword"):
         g(jnp.ones(()), jaxamp.DynamicScalerState())
     with pytest.raises(TypeError, match="passed positionally; pass it by keyword"):
@@ -319,7 +322,7 @@ def test_bad_inputs():
     with pytest.raises(TypeError, match="must be a jaxamp.DynamicScalerState"):
         g(jnp.ones(()), dynamic_scaler_state=2.0**15)
     with pytest.raises(ValueError, match="redo_on_nan must be an int >= 0"):
-        jaxamp.dynamic_scale_grad(cube, redo_on_nan=-1)
+        jaxamp.training.dynamic_scale_grad(cube, redo_on_nan=-1)
     with pytest.raises(ValueError, match="redo_on_nan must be an int >= 0"):
         jaxamp.dynamic_scale_value_and_grad(cube, redo_on_nan=1.5)
 

@@ -2,7 +2,9 @@
 matches where its components occur as a contiguous run of an equation's
 ``jax.named_scope`` stack, through ``jit``, ``scan``, ``jax.checkpoint`` and
 nested amps; the longest matching key wins; single components keep matching
-every scope of that name; a path that matches nothing warns."""
+every scope of that name; a path that matches nothing warns. The reports name
+an equation by one scope string, the key that matches it
+(jaxamp/_base/_scopes.py)."""
 
 import warnings
 
@@ -12,6 +14,7 @@ import numpy as np
 import pytest
 
 import jaxamp
+from jaxamp._base._scopes import scope_path
 from jaxamp._policy._lookup import AmpPolicy
 
 BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32)
@@ -64,7 +67,7 @@ def _model(wrap):
 def _dot_dtypes(closed, shapes):
     """Layer -> the input dtypes of the matmuls touching its weight's shape."""
     out = {}
-    for eqn, _ in jaxamp.iter_equations(closed):
+    for eqn, _ in jaxamp.tools.iter_equations(closed):
         if eqn.primitive.name != "dot_general":
             continue
         avals = [v.aval for v in (*eqn.invars, *eqn.outvars)]
@@ -158,21 +161,21 @@ def test_longest_matching_key_wins():
     ws = _params()
     policy = {
         **jaxamp.default_amp_policy,
-        "mlp": jaxamp.use_precision(F16),  # every layer's mlp
+        "mlp": jaxamp.rules.use_precision(F16),  # every layer's mlp
         "layer2/mlp": FULL,  # longer: wins in layer 2
     }
     closed = _grad_jaxpr(_model("plain"), ws, policy)
     _expect_only_layer2(_dot_dtypes(closed, _layers(ws)), F32, F16)
     # A three-component path beats a two-component one on the same equation.
-    policy["model/layer2/mlp"] = jaxamp.use_precision(BF16)
+    policy["model/layer2/mlp"] = jaxamp.rules.use_precision(BF16)
     closed = _grad_jaxpr(_model("plain"), ws, policy)
     _expect_only_layer2(_dot_dtypes(closed, _layers(ws)), BF16, F16)
 
 
 def test_lookup_order_of_paths_and_names():
     a, b = jaxamp.use_full_precision, jaxamp.use_original_precision
-    c, d = jaxamp.use_widest_precision, jaxamp.use_compute_precision
-    default = jaxamp.follow_compute_precision
+    c, d = jaxamp.rules.use_widest_precision, jaxamp.use_compute_precision
+    default = jaxamp.rules.follow_compute_precision
     exp_p = jax.lax.exp_p
     pol = AmpPolicy({"model": a, "layer2/mlp": b})
     assert pol.lookup(exp_p, ("model", "layer2", "mlp")) is b  # longer wins
@@ -233,3 +236,69 @@ def test_unmatched_path_warns_naming_the_closest(key, closest):
 def test_malformed_path_raises(key):
     with pytest.raises(ValueError, match="non-empty components"):
         AmpPolicy({key: FULL})
+
+
+# One equation, one scope string in the three reports (jaxamp/_base/_scopes.py):
+# the path the user wrote, as a policy key takes it.
+def _einsum_in_scope(w, x):
+    with jax.named_scope("mlp"):
+        h = jnp.einsum("bi,ij->bj", x, w)  # jnp.einsum opens its own scope
+    return jnp.mean(h * h)
+
+
+@jax.jit
+def _jitted_product(w, x):
+    return x @ w
+
+
+def _jit_in_scope(w, x):
+    with jax.named_scope("block"):
+        h = _jitted_product(w, x)
+    return jnp.mean(h * h)
+
+
+def _scan_of_scoped_layers(w, x):
+    def layer(h, _):
+        with jax.named_scope("layer"):
+            return h @ w, None
+
+    with jax.named_scope("stack"):
+        h, _ = jax.lax.scan(layer, x, None, length=3)
+    return jnp.mean(h * h)
+
+
+@pytest.mark.parametrize(
+    "loss, path",
+    [
+        (_einsum_in_scope, "mlp"),
+        (_jit_in_scope, "block"),
+        (_scan_of_scoped_layers, "stack/layer"),
+    ],
+)
+def test_reports_give_one_scope_string_per_equation(loss, path):
+    w, x = _bf16_rounded(jnp.eye(8) / 2), X[:, :8]
+    step = jax.grad(jaxamp.amp(loss, compute_dtype=BF16))
+    quant = {r.scope for r in jaxamp.quantization_report(step, w, x)}
+    memory = jaxamp.memory_report(loss, w, x, compute_dtype=BF16, compile=False)
+    saved = {r.scope for r in memory.rows if r.primitive == "dot_general"}
+    report = jaxamp.precision_report(loss, w, x, compute_dtype=BF16)
+    sites = {r.scope for r in report.records if r.primitive == "dot_general"}
+    assert quant == saved == sites == {path}
+    # The string is a policy key that matches the product.
+    f = jaxamp.amp(loss, compute_dtype=BF16, amp_policy={path: FULL})
+    dots = [e for e, _ in jaxamp.tools.iter_equations(jax.make_jaxpr(f)(w, x))]
+    dots = [e for e in dots if e.primitive.name == "dot_general"]
+    assert dots and all(v.aval.dtype == F32 for e in dots for v in e.invars)
+
+
+@pytest.mark.parametrize(
+    "scopes, path",
+    [
+        (("jaxamp.amp", "mlp", "bi,ij->bj", "jaxamp_recast"), "mlp"),
+        (("model", "layer0", "model", "layer0", "mlp"), "model/layer0/mlp"),
+        (("a", "a", "rematted_computation", "b", "amp_int8_matmul"), "a/b"),
+        (("jaxamp.amp",), ""),
+    ],
+)
+def test_scope_path_keeps_the_users_components_once(scopes, path):
+    assert scope_path(scopes) == path

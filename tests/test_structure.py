@@ -89,7 +89,14 @@ LAYERS = (
     ("jaxamp._rewrites",),
     ("jaxamp._amp",),
     ("jaxamp._tools", "jaxamp._training"),
-    ("jaxamp.compat",),
+    (
+        "jaxamp.compat",
+        "jaxamp.migration",
+        "jaxamp.quant",
+        "jaxamp.rules",
+        "jaxamp.tools",
+        "jaxamp.training",
+    ),
     ("jaxamp",),
 )
 MAX_TOP_LEVEL_MODULES = 6

@@ -2,9 +2,11 @@
 
 This module imports nothing from jaxamp, so :mod:`jaxamp._base._dtypes` (which
 resolves ``"compute"`` / ``"param"`` / ``"output"`` against the current policy)
-and :mod:`jaxamp.compat._jmp` (which defines :class:`~jaxamp.Policy` and imports
+and :mod:`jaxamp.migration._jmp` (which defines :class:`~jaxamp.migration.jmp.Policy`
+and imports
 ``_dtypes``) can both read it without an import cycle. The context manager users
-open, :func:`jaxamp.mixed_precision`, lives in ``compat/_haliax.py``.
+open, :func:`jaxamp.migration.haliax.mixed_precision`, lives in
+``migration/_haliax.py``.
 
 A ``ContextVar`` is per thread (a new thread starts with no policy) and per
 asyncio task, as Haliax's thread-local ``ResourceEnv`` is per thread.
@@ -19,14 +21,16 @@ from typing import Any
 
 import numpy as np
 
-# The active jaxamp.Policy, or None outside every jaxamp.mixed_precision block.
+# The active jaxamp.migration.jmp.Policy, or None outside every
+# jaxamp.migration.haliax.mixed_precision block.
 _CURRENT: contextvars.ContextVar[Any] = contextvars.ContextVar(
     "jaxamp_current_policy", default=None
 )
 
 
 def current_policy() -> Any:
-    """The policy of the innermost active :func:`jaxamp.mixed_precision` block.
+    """The policy of the innermost active
+    :func:`jaxamp.migration.haliax.mixed_precision` block.
 
     Mirrors Haliax's ``current_mp_policy()`` (``haliax/_src/mixed_precision.py``),
     except outside every block: Haliax returns its default all-float32 policy,
@@ -38,7 +42,8 @@ def current_policy() -> Any:
     trace or inside the jitted function.
 
     Returns:
-        A :class:`jaxamp.Policy`, or None when no block is active in this thread
+        A :class:`jaxamp.migration.jmp.Policy`, or None when no block is active in this
+        thread
         / context.
     """
     return _CURRENT.get()
@@ -48,7 +53,7 @@ def policy_compute_dtype() -> np.dtype | None:
     """The compute dtype of the current policy, or None when none is active.
 
     What :func:`jaxamp.amp` reads as its default ``compute_dtype``, and what
-    generic layer code can use as ``jaxamp.policy_compute_dtype() or
+    generic layer code can use as ``jaxamp.migration.haliax.policy_compute_dtype() or
     jnp.float32``.
 
     Returns:
@@ -60,7 +65,7 @@ def policy_compute_dtype() -> np.dtype | None:
 
 @contextlib.contextmanager
 def policy_scope(policy: Any) -> Iterator[Any]:
-    """Make ``policy`` (a parsed :class:`jaxamp.Policy`, or None for "no
+    """Make ``policy`` (a parsed :class:`jaxamp.migration.jmp.Policy`, or None for "no
     policy") current for the ``with`` block; the previous one is restored on
     exit, also on an exception."""
     token = _CURRENT.set(policy)

@@ -49,8 +49,10 @@ def canonical_dtype(dtype: Any, *, argname: str = "dtype") -> np.dtype:
     semantic name).
 
     The semantic names ``"compute"``, ``"param"`` (or ``"parameter"``) and
-    ``"output"`` (also :class:`jaxamp.SemanticDType` members) resolve to that
-    dtype of the current policy (:func:`jaxamp.mixed_precision`), when this
+    ``"output"`` (also :class:`jaxamp.migration.haliax.SemanticDType` members) resolve
+    to that
+    dtype of the current policy (:func:`jaxamp.migration.haliax.mixed_precision`), when
+    this
     function runs.
 
     Args:
@@ -96,9 +98,9 @@ def _semantic(key: str, argname: str) -> np.dtype:
     if policy is None:
         raise ValueError(
             f"{argname}={key!r} names the current policy's {key} dtype, but no "
-            "policy is active: call it inside `with "
-            "jaxamp.mixed_precision('p=f32,c=bf16,o=f32'):` or pass a dtype such "
-            "as jnp.bfloat16."
+            "policy is active: call it inside `with jaxamp.migration.haliax."
+            "mixed_precision('p=f32,c=bf16,o=f32'):` or pass a dtype such as "
+            "jnp.bfloat16."
         )
     return np.dtype(getattr(policy, SEMANTIC_FIELDS[key]))
 

@@ -5,7 +5,7 @@ An environment maps a jaxpr's variables to values; literals carry their own.
 that the scan-hoisting replay and :func:`jaxamp.find_overflows` run; the amp
 interpreter (``_walk/_loop.py``) has its own loop for its regions, on the
 same :func:`read` / :func:`write`. :func:`iter_equations` lists every
-equation of a jaxpr and its sub-jaxprs (``jaxamp.iter_equations``).
+equation of a jaxpr and its sub-jaxprs (``jaxamp.tools.iter_equations``).
 """
 
 from __future__ import annotations

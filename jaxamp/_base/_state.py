@@ -1,11 +1,17 @@
-"""The walk state: what the rules and the interpreter share while amp binds.
+"""The walk state: what the interpreter's helpers share while amp binds.
 
-Rules keep jaxamp 0.0.4's signature ``rule(compute_dtype, original_dtypes,
-*invars, **params)``, so what they need beyond it (the current equation's value
-facts, the cast cache) cannot be passed as arguments. It lives in one immutable
-:class:`WalkState`, held by one ``ContextVar`` and replaced, never mutated, by
-:func:`updated` for the extent of a ``with`` block. A trace that starts inside
-a block sees the block's state; nested blocks restore the outer state on exit.
+Rules receive their context as an argument (``_policy/_context.RuleContext``,
+built by the interpreter per equation). What stays here is what JAX's own
+tracing reaches without an argument to carry it: a ``custom_jvp`` rule or a
+``custom_vjp``'s fwd and bwd that JAX traces after the rule that bound them
+returned (under ``jax.grad``), and a ``scan`` or ``jit`` body it re-traces,
+must still find the trace's cast cache, its held inputs and overflow flags,
+and whether they are recomputed; and a rule with jaxamp 0.0.4's signature
+that calls a context rule by hand gets the equation's facts from here
+(``_context.from_walk``). It lives in one immutable :class:`WalkState`, held
+by one ``ContextVar`` and replaced, never mutated, by :func:`updated` for the
+extent of a ``with`` block. A trace that starts inside a block sees the
+block's state; nested blocks restore the outer state on exit.
 """
 
 from __future__ import annotations

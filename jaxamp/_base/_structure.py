@@ -1,21 +1,26 @@
-"""Higher-order primitives as every pass reads them: one description each.
+"""Higher-order primitives as every pass reads them: one registration each.
 
 A higher-order equation (a call, a loop, a conditional, a ``shard_map``) holds
-sub-jaxprs. What the passes need to know about it is written once, in a
-:class:`HigherOrder` entry registered beside the primitive's rewrite rule
-(``jaxamp._walk._higher_order.register_higher_order``): for one equation, its
-:class:`Structure` (which operands feed which sub-jaxpr inputs, which outputs
-come from which sub-jaxpr outputs, the loop-carried pairs, the static trip
-count, whether one sub-jaxpr runs out of several, how many copies run) and how
-to evaluate it concretely. The value-facts pass, the scan-input hoist,
-``find_overflows``, the FLOP counter and the quantization report read it here,
-below the walk, and name no primitive. Like JAX, which registers a primitive's
-jvp, batching and lowering rules beside the primitive itself
+sub-jaxprs. Everything jaxamp needs to know about such a primitive is written
+once, in the :class:`HigherOrder` entry that
+``jaxamp._walk._register.register_higher_order`` records here: its rewrite
+rule (the walk), its description for one equation (:class:`Structure`: which
+operands feed which sub-jaxpr inputs, which outputs come from which sub-jaxpr
+outputs, the loop-carried pairs, the static trip count, whether one sub-jaxpr
+runs out of several, how many copies run, whether it is a call and of which
+kind), how to evaluate it concretely, and its entry in the default policy.
+Every table is derived from this registry when it is read, never copied at
+import: the walk's rules, the default policy's entries for these primitives
+(also in a policy built before the registration), the value facts, the
+scan-input hoist, ``find_overflows``, the FLOP counter, the reports, the
+chunked optimizer and the attention matcher all read it here, below the walk,
+and name no primitive. Like JAX, which registers a primitive's jvp, batching
+and lowering rules beside the primitive itself
 (``jax/_src/lax/control_flow/loops.py``).
 
-A primitive without an entry is opaque to those passes: its operands are
-taken to reach a matmul, it is evaluated by binding it, and its sub-jaxprs are
-counted once.
+A primitive without an entry (or with one without a description) is opaque
+to the passes that read descriptions: its operands are taken to reach a
+matmul, it is evaluated by binding it, and its sub-jaxprs are counted once.
 """
 
 from __future__ import annotations
@@ -123,39 +128,94 @@ def run_once(eqn: Any, invals: list, eval_sub: EvalSub) -> list:
 
 @dataclasses.dataclass(frozen=True)
 class HigherOrder:
-    """The registered description of a higher-order primitive.
+    """The registration of a higher-order primitive: what every pass reads.
 
     Attributes:
+        rule: the rewrite rule ``rule(eqn, invals, ctx) -> outvals`` the walk
+            applies to its equations
+            (``jaxamp._walk._loop.HigherOrderRule``).
         describe: ``describe(eqn) -> Structure | None`` for an equation of the
-            primitive (None: this equation cannot be described; the passes
-            treat it as opaque).
+            primitive (None returned: this equation cannot be described);
+            None: no description, the passes treat the primitive as opaque.
         run: ``run(eqn, invals, eval_sub) -> outputs``: the equation evaluated
             concretely, each sub-jaxpr through ``eval_sub`` (so that a
             debugging walk sees its equations); None to bind the primitive
-            as it is (``shard_map``, whose body needs its mesh).
+            as it is (``shard_map``, whose body needs its mesh). Read only
+            with a description.
+        default_rule: the primitive's entry in the default policy (a loop's
+            carries' rule), which a policy built on the default table takes
+            where it names none (``jaxamp._policy._lookup.AmpPolicy``), or
+            None.
     """
 
-    describe: Callable[[Any], Structure | None]
+    rule: Callable[..., Any]
+    describe: Callable[[Any], Structure | None] | None = None
     run: Run | None = run_once
+    default_rule: Any = None
 
 
-# Primitive name -> description; filled by register_higher_order.
-DESCRIPTIONS: dict[str, HigherOrder] = {}
+# Primitive name -> its registration in force, and the registrations it
+# replaced (most recent last), which unregister() puts back.
+_REGISTRY: dict[str, HigherOrder] = {}
+_REPLACED: dict[str, list[HigherOrder]] = {}
+# Bumped by every (un)registration: work cached across calls (rewritten
+# sub-jaxprs) keys on it, so that it never outlives the registry it read.
+_GENERATION = [0]
+
+
+def register(name: str, entry: HigherOrder) -> None:
+    """Put ``entry`` in force for the primitive named ``name``; the entry it
+    replaces comes back with :func:`unregister`."""
+    if name in _REGISTRY:
+        _REPLACED.setdefault(name, []).append(_REGISTRY[name])
+    _REGISTRY[name] = entry
+    _GENERATION[0] += 1
+
+
+def unregister(name: str) -> HigherOrder | None:
+    """Remove the registration of ``name`` in force, putting back the one it
+    replaced (if any); returns the removed entry (None: none was in force)."""
+    removed = _REGISTRY.pop(name, None)
+    earlier = _REPLACED.get(name)
+    if earlier:
+        _REGISTRY[name] = earlier.pop()
+        if not earlier:
+            del _REPLACED[name]
+    _GENERATION[0] += 1
+    return removed
+
+
+def registered(name: str) -> HigherOrder | None:
+    """The registration in force for the primitive named ``name``, or None."""
+    return _REGISTRY.get(name)
+
+
+def registered_names() -> tuple[str, ...]:
+    """The names of the registered higher-order primitives, in registration
+    order."""
+    return tuple(_REGISTRY)
+
+
+def generation() -> int:
+    """A number that changes with every registration and unregistration."""
+    return _GENERATION[0]
 
 
 def describe(eqn: Any) -> Structure | None:
     """The :class:`Structure` of a higher-order equation, or None for a
     primitive without a registered description (or an equation it cannot
     describe)."""
-    entry = DESCRIPTIONS.get(eqn.primitive.name)
-    return None if entry is None else entry.describe(eqn)
+    entry = _REGISTRY.get(eqn.primitive.name)
+    if entry is None or entry.describe is None:
+        return None
+    return entry.describe(eqn)
 
 
 def run_concretely(eqn: Any, invals: list, eval_sub: EvalSub) -> list | None:
     """``eqn`` evaluated through its description's ``run`` (sub-jaxprs through
     ``eval_sub``), or None where the primitive is to be bound as it is."""
-    entry = DESCRIPTIONS.get(eqn.primitive.name)
-    if entry is None or entry.run is None or entry.describe(eqn) is None:
+    entry = _REGISTRY.get(eqn.primitive.name)
+    if entry is None or entry.run is None or describe(eqn) is None:
         return None
     return entry.run(eqn, invals, eval_sub)
 
@@ -163,8 +223,8 @@ def run_concretely(eqn: Any, invals: list, eval_sub: EvalSub) -> list | None:
 def runs_whole(eqn: Any) -> bool:
     """Whether ``eqn`` is to be bound as it is, never entered by a concrete
     walk (its registration's ``run`` is None: a body that needs its mesh)."""
-    entry = DESCRIPTIONS.get(eqn.primitive.name)
-    return entry is not None and entry.run is None
+    entry = _REGISTRY.get(eqn.primitive.name)
+    return entry is not None and entry.describe is not None and entry.run is None
 
 
 def trips(eqn: Any) -> int:
@@ -183,6 +243,19 @@ def call_body(eqn: Any) -> Any:
     if structure is None or not structure.call:
         return None
     return structure.subs[0].core
+
+
+def plain_call(eqn: Any) -> Any:
+    """The sub-jaxpr parameter (``Jaxpr`` or ``ClosedJaxpr``) of ``eqn`` if it
+    is a plain call, else None: a call (:attr:`Structure.call`) whose body's
+    dtypes flow through (:attr:`Structure.dtypes_flow`) and that the backward
+    pass does not re-run: ``jax.jit``'s equation (which carries the called
+    function's ``name``; JAX reuses its traced body at every call site with
+    the same avals), ``closed_call``, a user's call registered so."""
+    structure = describe(eqn)
+    if structure is None or not structure.call or structure.recomputed:
+        return None
+    return structure.subs[0].jaxpr if structure.dtypes_flow else None
 
 
 def describe_call(

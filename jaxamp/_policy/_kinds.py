@@ -26,9 +26,9 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import numpy as np
-
-from ._stash import FP8_GROUP, INT8_GROUP, Format, parse_dtype
+from .._base import _formats
+from ._context import RuleContext, from_walk
+from ._stash import Format, parse_dtype
 
 ATTENTION_KEY = "attention"
 RESIDUALS_KEY = "residuals"
@@ -65,26 +65,50 @@ class CastRule:
     ``fn``. Usable as a decorator; plain functions in a policy are wrapped in
     one automatically.
 
+    A rule made with :meth:`with_context` is called as ``fn(ctx, *invars,
+    **params)`` instead, ``ctx`` a :class:`RuleContext` (the equation's value
+    facts, scopes, policy and residual format besides the two dtypes).
+
     Attributes:
         fn: the rule function.
+        context: ``fn`` takes one :class:`RuleContext` (keyword-only).
 
     Raises:
         TypeError: if ``fn`` is not callable.
 
     Example:
         >>> import jax.numpy as jnp, jaxamp
-        >>> @jaxamp.CastRule
+        >>> @jaxamp.rules.CastRule
         ... def exp_in_bf16(compute_dtype, original_dtypes, *invars, **params):
         ...     return [v.astype(jnp.bfloat16) for v in invars], params
         >>> policy = {**jaxamp.default_amp_policy, "exp": exp_in_bf16}
     """
 
     fn: Callable[..., tuple[list, dict]]
+    context: bool = dataclasses.field(default=False, kw_only=True)
 
     def __post_init__(self):
         _wrap(self, self.fn, type(self).__name__)
 
+    @classmethod
+    def with_context(cls, fn: Callable[..., Any]) -> Any:
+        """A rule called as ``fn(ctx, *invars, **params)`` with one
+        :class:`jaxamp._policy._context.RuleContext` (compute dtype, traced
+        dtypes, value facts, scopes, policy, residual format). Usable as a
+        decorator."""
+        return cls(fn, context=True)
+
+    def decide(self, ctx: RuleContext, *invars, **params):
+        """``fn``'s result for the equation ``ctx`` describes."""
+        if self.context:
+            return self.fn(ctx, *invars, **params)
+        original = list(ctx.original_dtypes)  # a list, as jaxamp 0.0.4 passed
+        return self.fn(ctx.compute_dtype, original, *invars, **params)
+
     def __call__(self, compute_dtype, original_dtypes, *invars, **params):
+        if self.context:  # called with 0.0.4's signature: the walk's context
+            ctx = from_walk(compute_dtype, original_dtypes)
+            return self.fn(ctx, *invars, **params)
         return self.fn(compute_dtype, original_dtypes, *invars, **params)
 
     def __repr__(self) -> str:
@@ -120,6 +144,8 @@ class ImplementationRule:
         builtin_keys: policy keys under which jaxamp's own ready-made policies
             put this rule (:func:`jaxamp.fp8_policy`'s ``"dot_general"``): such
             an entry is not the user's and never warns as unmatched.
+        context: ``fn`` takes one :class:`RuleContext` in place of the two
+            dtypes (:meth:`with_context`; keyword-only).
 
     Raises:
         TypeError: if ``fn`` is not callable.
@@ -127,6 +153,7 @@ class ImplementationRule:
 
     fn: Callable[..., Any]
     builtin_keys: frozenset = frozenset()
+    context: bool = dataclasses.field(default=False, kw_only=True)
 
     # The marker attribute of jaxamp 0.0.x implementation rules.
     amp_impl = True
@@ -135,8 +162,14 @@ class ImplementationRule:
         _wrap(self, self.fn, "ImplementationRule")
         object.__setattr__(self, "builtin_keys", frozenset(self.builtin_keys))
 
-    def __call__(self, compute_dtype, original_dtypes, *invars, **params):
-        return self.fn(compute_dtype, original_dtypes, *invars, **params)
+    @classmethod
+    def with_context(cls, fn: Callable[..., Any], **kw: Any) -> ImplementationRule:
+        """An implementation called as ``fn(ctx, *invars, **params)``
+        (:meth:`CastRule.with_context`); ``kw``: the other fields."""
+        return cls(fn, context=True, **kw)
+
+    decide = CastRule.decide
+    __call__ = CastRule.__call__
 
     def __repr__(self) -> str:
         return f"ImplementationRule({getattr(self.fn, '__name__', self.fn)!s})"
@@ -177,11 +210,13 @@ class ResidualRule:
     where it applies to the scope.
 
     Attributes:
-        dtype: ``numpy.dtype(float8_e4m3fn)``, ``float8_e5m2`` or ``int8``:
-            stored in 8 bits with per-group float32 scales; None: stored in
-            the dtype amp computes them in (no compression).
-        group_size: values per scale along the last axis; None: 128 for FP8,
-            32 for int8.
+        dtype: the dtype of a registered 8-bit format
+            (``numpy.dtype(float8_e4m3fn)``, ``float8_e5m2``, ``int8``, or one
+            added by :func:`jaxamp.quant.register_format`; given by name, alias or
+            dtype): stored in 8 bits with per-group float32 scales; None:
+            stored in the dtype amp computes them in (no compression).
+        group_size: values per scale along the last axis; None: the format's
+            group (128 for FP8, 32 for int8).
 
     Raises:
         ValueError: for another ``dtype`` or a ``group_size`` below 1.
@@ -207,11 +242,11 @@ class ResidualRule:
         """The stored form (``_stash.Format``), None for no compression."""
         if self.dtype is None:
             return None
-        default = INT8_GROUP if self.dtype == np.dtype(np.int8) else FP8_GROUP
+        default = _formats.require(self.dtype, "residual_rule(dtype)").group
         return Format(self.dtype, self.group_size or default)
 
     def __repr__(self) -> str:
-        name = None if self.dtype is None else self.dtype.name
+        name = None if self.dtype is None else _formats.name_of(self.dtype)
         return f"residual_rule({name!r}, group_size={self.group_size})"
 
 
@@ -297,6 +332,6 @@ def as_policy_value(key: Any, value: Any) -> PolicyValue:
     raise TypeError(
         f"amp_policy[{key!r}] must be a rule (a callable with signature "
         "rule(compute_dtype, original_dtypes, *invars, **params), or a "
-        "jaxamp.CastRule / ImplementationRule / AttentionRule / ScopePolicy), got "
-        f"{type(value).__name__}."
+        "jaxamp.rules.CastRule / ImplementationRule / AttentionRule / "
+        f"ScopePolicy), got {type(value).__name__}."
     )

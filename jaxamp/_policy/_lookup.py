@@ -18,10 +18,11 @@ import dataclasses
 import difflib
 import sys
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 from .. import _compat
+from .._base._structure import registered
 from ._kinds import (
     ATTENTION_KEY,
     RESIDUALS_KEY,
@@ -132,6 +133,15 @@ def _user_keys(typed: Mapping) -> dict[Any, tuple]:
     return keys
 
 
+def _registered_default(name: str) -> PolicyValue | None:
+    """The default rule registered with the higher-order primitive ``name``
+    (``register_higher_order(default_rule=...)``), typed; None if none."""
+    entry = registered(name)
+    if entry is None or entry.default_rule is None:
+        return None
+    return as_policy_value(name, entry.default_rule)
+
+
 def _typed(amp_policy: Mapping) -> dict[Any, Any]:
     """Key -> typed value (``_kinds.as_policy_value``; a scope policy as a
     nested :class:`AmpPolicy`), keys validated."""
@@ -172,8 +182,13 @@ class AmpPolicy:
     ``rematted_computation`` component is skipped), a name where it is one
     component; the longest matching key wins, and among equally long ones the
     outermost (as jaxamp 0.0.4 for names); then the primitive object, then the
-    primitive name, then ``"amp_default"``. A nested policy found on the stack
-    is looked up with the components inside its match.
+    primitive name; then, in a policy built on the default table (one that
+    holds :data:`jaxamp.default_amp_policy`'s own ``"amp_default"`` entry, as
+    every copy of it and jaxamp's ready-made policies do), the default rule of
+    a registered higher-order primitive (``_base/_structure.py``), read when
+    looked up, so that a primitive registered after the policy was built has
+    its entry; then ``"amp_default"``. A nested policy found on the stack is
+    looked up with the components inside its match.
 
     The view is immutable but for the record of the primitive names and scope
     stacks :meth:`lookup` was asked about (across every trace of the amp'd
@@ -185,6 +200,7 @@ class AmpPolicy:
         "_by_name",
         "_by_path",
         "_default",
+        "_on_default",
         "_source",
         "_stop",
         "_user_keys",
@@ -209,7 +225,9 @@ class AmpPolicy:
         self._by_path = {p: v for p, v in paths.items() if len(p) > 1}
         by_name.setdefault("amp_stop", default_amp_policy["amp_stop"])
         self._stop = by_name["amp_stop"]
-        self._default = by_name.pop("amp_default", default_amp_policy["amp_default"])
+        builtin_default = default_amp_policy["amp_default"]
+        self._on_default = by_name.get("amp_default") is builtin_default
+        self._default = by_name.pop("amp_default", builtin_default)
         self._by_name = by_name
         self._source = dict(amp_policy)
         self._user_keys = _user_keys(typed)
@@ -217,6 +235,39 @@ class AmpPolicy:
         self._seen_scopes: set[str] = set()
         self._seen_stacks: set[tuple[str, ...]] = set()
         self._warned: set[Any] = set()
+
+    @property
+    def value_key(self) -> Hashable:
+        """A key equal for policies with equal entries as typed when they
+        were built (the same keys; rules compare by their fields, so a
+        function by identity; nested policies by their entries): what work
+        done under a policy is cached by (``_walk/_higher_order.py``), so
+        re-wrapping a function with an equal policy reuses it. A policy
+        holding an unhashable value is its own key (compared by identity)."""
+        try:
+            return self._typed_key()
+        except TypeError:  # a value that cannot be hashed
+            return self
+
+    def _typed_key(self) -> Hashable:
+        """The typed entries (fixed when the policy was built, nested
+        policies by their own entries) as a hashable value."""
+        entries = [
+            (k, v._typed_key() if isinstance(v, AmpPolicy) else v)
+            for table in (self._by_prim, self._by_name, self._by_path)
+            for k, v in table.items()
+        ]
+        key = (frozenset(entries), self._default, self._stop, self._on_default)
+        hash(key)
+        return key
+
+    def replay(self, other: AmpPolicy) -> None:
+        """Record what :meth:`lookup` asked ``other`` (an equal policy that
+        did work this one reuses, see :attr:`value_key`) as if it had been
+        asked here, for :meth:`warn_unmatched`."""
+        self._seen_prims |= other._seen_prims
+        self._seen_scopes |= other._seen_scopes
+        self._seen_stacks |= other._seen_stacks
 
     @property
     def default_rule(self) -> CastRule | ImplementationRule:
@@ -247,6 +298,8 @@ class AmpPolicy:
         value = None if isinstance(primitive, str) else self._by_prim.get(primitive)
         if value is None:
             value = self._by_name.get(name)
+        if value is None and self._on_default:
+            value = _registered_default(name)
         return self._default if value is None or isinstance(value, AmpPolicy) else value
 
     def residual_rule(self, scopes: Sequence[str]) -> ResidualRule | None:

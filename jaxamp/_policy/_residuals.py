@@ -34,14 +34,12 @@ import jax
 import numpy as np
 
 from .. import _compat
-from .._base import _state
 from .._base._cast import cast, cast_cache, narrow_source
 from .._base._dtypes import dtype_of, is_float, is_low
 from .._base._prims import MATMULS
 from .._base._structure import describe
-from .._values._facts import current_facts
 from . import _stash
-from ._compressed import bind_compressed, is_held, stash_format
+from ._compressed import bind_compressed, is_held
 from ._kinds import RESIDUALS_KEY, ResidualRule
 from ._rules import use_lower_precision
 
@@ -65,8 +63,10 @@ def bind_saving_less(
 
     Args:
         call: the equation's rule call: ``call.name`` (the primitive's name),
-            ``call.rule``, ``call.original`` (its traced input dtypes),
-            ``call.compute_dtype``, ``call.decide(*vals) -> (inputs, params)``,
+            ``call.rule``, ``call.context`` (its ``RuleContext``: value facts,
+            residual format, ...), ``call.original`` (its traced input
+            dtypes), ``call.compute_dtype``, ``call.decide(*vals) -> (inputs,
+            params)``,
             ``call.bind(params, *inputs)`` and ``call.apply(*vals)`` (decide,
             then bind).
         invals: the equation's current input values.
@@ -79,10 +79,11 @@ def bind_saving_less(
     """
     narrow = "narrow_activations" not in off
     if narrow and call.name in MATMULS and call.rule is use_lower_precision:
-        invals = _narrow_activations(invals, call.original, call.compute_dtype)
+        shared = call.context.facts.shared_inputs
+        invals = _narrow_activations(invals, call.original, call.compute_dtype, shared)
     if call.name in MATMULS and call.rule is use_lower_precision:
         invals = _as_held_narrow(invals, call.compute_dtype)
-    fmt = stash_format()
+    fmt = call.context.residual_format
     if fmt is not None:
         outs = bind_compressed(call, invals, fmt)
         if outs is not None:
@@ -93,8 +94,8 @@ def bind_saving_less(
     # RMSNorm's square casts outside and recomputes only itself (2 * x): its
     # float32 copy of x is the one the scaling saves, and sharing it sums the
     # two cotangents of x (which nearly cancel) in float32 before one rounding.
-    facts = current_facts()
-    if facts.quadratic and any(map(is_low, invals)) and not _state.current().recomputed:
+    facts = call.context.facts
+    if facts.quadratic and any(map(is_low, invals)) and not call.context.recomputed:
         if facts.rms_operand:
             new_in, new_params = call.decide(*invals)
             return recomputing_casts(functools.partial(call.bind, new_params), new_in)
@@ -103,7 +104,10 @@ def bind_saving_less(
 
 
 def _narrow_activations(
-    invals: Sequence[Any], original: Sequence[Any], compute_dtype: np.dtype
+    invals: Sequence[Any],
+    original: Sequence[Any],
+    compute_dtype: np.dtype,
+    shared: Sequence[bool],
 ) -> list[Any]:
     """Cast the wide float inputs of a default-rule matmul that are not held
     (activations: a float32 RMSNorm output) to the compute dtype, as the rule
@@ -111,11 +115,12 @@ def _narrow_activations(
     the activation's low-precision copy is a residual either way, the weight's
     copy need not be. Only where no held input is read by another equation
     too: a weight that several matmuls read keeps its one cached copy (the cast
-    cache), instead of a cast per matmul in both passes. Inputs of a matmul
-    traced with mixed float dtypes stay."""
+    cache), instead of a cast per matmul in both passes (``shared``: per
+    input, whether another equation reads it; the value facts'). Inputs of a
+    matmul traced with mixed float dtypes stay."""
     invals = list(invals)
     floats = {np.dtype(d) for d, x in zip(original, invals) if is_float(d)}
-    shared = current_facts().shared_inputs or (True,) * len(invals)
+    shared = shared or (True,) * len(invals)
     held = [is_held(x) for x in invals]
     if len(floats) > 1 or not any(held) or any(h and s for h, s in zip(held, shared)):
         return invals
@@ -218,7 +223,7 @@ def residual_rule(dtype: Any, group_size: int | None = None) -> ResidualRule:
             neighbours' evenly spaced levels).
 
     Returns:
-        A :class:`jaxamp.ResidualRule`, valid only under the key
+        A :class:`jaxamp.rules.ResidualRule`, valid only under the key
         ``"residuals"``.
 
     Raises:

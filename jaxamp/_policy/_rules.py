@@ -10,9 +10,13 @@ the dtypes the traced (un-transformed) jaxpr declared for each input,
 ``invars`` the current input values (jax arrays or tracers; literals of the
 jaxpr arrive as numpy scalars) and ``bind_params`` the primitive's parameters.
 A rule returns the (possibly cast) inputs, one per input, and the parameters to
-bind with. Integer, boolean, complex, PRNG-key and float0 values must never be
-cast: the helpers here only touch real floating values. Each rule here is a
-:class:`jaxamp.CastRule` (``_kinds.py``); the loop-carry rule a ``CarryRule``.
+bind with. The rules that read the equation's value facts take one context
+argument instead of the two dtypes (``CastRule.with_context``:
+``rule(ctx, *invars, **bind_params)``, ``_context.RuleContext``); called with
+0.0.4's signature they read the walk's context. Integer, boolean, complex,
+PRNG-key and float0 values must never be cast: the helpers here only touch
+real floating values. Each rule here is a :class:`jaxamp.rules.CastRule`
+(``_kinds.py``); the loop-carry rule a ``CarryRule``.
 
 The default table follows PyTorch's autocast op lists
 (https://pytorch.org/docs/stable/amp.html#autocast-op-reference) mapped onto
@@ -46,7 +50,7 @@ from .._base._dtypes import (
     widest,
 )
 from .._base._prims import MATMULS
-from .._values._facts import current_facts
+from ._context import RuleContext
 from ._kinds import CarryRule, CastRule
 
 Rule = Callable[..., tuple[list, dict]]
@@ -68,7 +72,7 @@ def use_precision(dtype: Any) -> CastRule:
         dtype: a floating dtype or name (``jnp.float32``, ``"bf16"``).
 
     Returns:
-        A :class:`jaxamp.CastRule` that also sets ``preferred_element_type`` to
+        A :class:`jaxamp.rules.CastRule` that also sets ``preferred_element_type`` to
         ``dtype`` on primitives that have it (``dot_general``, convolutions).
 
     Raises:
@@ -167,10 +171,10 @@ def _range_critical(compute_dtype) -> bool:
     )
 
 
-@CastRule
-def follow_compute_precision(compute_dtype, original_dtypes, *invars, **params):
+@CastRule.with_context
+def follow_compute_precision(ctx: RuleContext, *invars, **params):
     """Rule "follow" (the default for unlisted primitives), reading the value
-    facts of :mod:`jaxamp._values._facts`:
+    facts of :mod:`jaxamp._values._facts` (``ctx.facts``):
 
     * an equation traced with mixed float input dtypes keeps them (known or
       unknown primitive: cuDNN attention's backward, a custom kernel);
@@ -200,7 +204,11 @@ def follow_compute_precision(compute_dtype, original_dtypes, *invars, **params):
     casting back to float32 after every op, and satisfies lax's requirement that
     n-ary primitives see one dtype.
     """
-    facts = current_facts()
+    compute_dtype, original_dtypes, facts = (
+        ctx.compute_dtype,
+        ctx.original_dtypes,
+        ctx.facts,
+    )
     if _mixed(original_dtypes, invars) or facts.tail:
         return _original(invars, original_dtypes), params
     critical = _range_critical(compute_dtype)
@@ -225,15 +233,19 @@ def keep_current_precision(compute_dtype, original_dtypes, *invars, **params):
     return list(invars), params
 
 
-@CastRule
-def use_range_safe_precision(compute_dtype, original_dtypes, *invars, **params):
+@CastRule.with_context
+def use_range_safe_precision(ctx: RuleContext, *invars, **params):
     """Rule for powers (``square``, ``integer_pow``): float32 when the compute
     dtype is float16 (``x**2`` overflows float16 once |x| > 256, ``x**3`` once
     |x| > 40) or when the result is summed (a variance, a norm: normalisation
     statistics are float32, as PyTorch autocast's ``layer_norm``/``norm``);
     otherwise as :func:`follow_compute_precision` (a bfloat16 GELU's ``x**3``
     has float32's range and saves a float32 residual)."""
-    facts = current_facts()
+    compute_dtype, original_dtypes, facts = (
+        ctx.compute_dtype,
+        ctx.original_dtypes,
+        ctx.facts,
+    )
     if _mixed(original_dtypes, invars) or facts.tail:
         return _original(invars, original_dtypes), params
     if _range_critical(compute_dtype) or facts.summed:
@@ -241,8 +253,8 @@ def use_range_safe_precision(compute_dtype, original_dtypes, *invars, **params):
     return _follow(compute_dtype, original_dtypes, invars), params
 
 
-@CastRule
-def use_lower_precision(compute_dtype, original_dtypes, *invars, **params):
+@CastRule.with_context
+def use_lower_precision(ctx: RuleContext, *invars, **params):
     """Rule for matmuls and convolutions (PyTorch autocast's
     ``lower_precision_fp`` list): float inputs in the compute dtype, with float32
     accumulation. The result is in the compute dtype, except where the value
@@ -257,10 +269,14 @@ def use_lower_precision(compute_dtype, original_dtypes, *invars, **params):
     Never widens (a hand-written float8 product is left as written) and keeps an
     equation traced with mixed float input dtypes as traced.
     """
+    compute_dtype, original_dtypes, facts = (
+        ctx.compute_dtype,
+        ctx.original_dtypes,
+        ctx.facts,
+    )
     if _mixed(original_dtypes, invars):
         return _original(invars, original_dtypes), params
     out, new = use_compute_precision(compute_dtype, original_dtypes, *invars, **params)
-    facts = current_facts()
     square = facts.quadratic and _range_critical(compute_dtype)
     keep = facts.wide or facts.tail or square
     if keep and new is not params and "preferred_element_type" in new:
@@ -270,8 +286,8 @@ def use_lower_precision(compute_dtype, original_dtypes, *invars, **params):
     return out, new
 
 
-@CarryRule
-def narrow_bfloat16_carries(compute_dtype, original_dtypes, *carries, **params):
+@CarryRule.with_context
+def narrow_bfloat16_carries(ctx: RuleContext, *carries, **params):
     """Loop-carry rule (the policy entry for ``scan``): with a bfloat16 compute
     dtype, the float carries that the value facts mark as narrowable run in
     bfloat16; every other carry keeps its traced dtype.
@@ -286,10 +302,10 @@ def narrow_bfloat16_carries(compute_dtype, original_dtypes, *carries, **params):
     autocast keeps a float32 residual stream). Weakly typed carries are never
     narrowed; outside an analysed walk nothing is narrowed.
     """
-    del original_dtypes
+    compute_dtype = ctx.compute_dtype
     if np.dtype(compute_dtype) != np.dtype(jnp.bfloat16):
         return list(carries), params
-    narrow = current_facts().narrow_carries
+    narrow = ctx.facts.narrow_carries
     if len(narrow) != len(carries):
         return list(carries), params
     out = [

@@ -17,13 +17,16 @@ row; a longer one that ``G`` does not divide ends in one shorter group
 :data:`MIN_AXIS` is not compressed (a float32 scale per fewer than 32 values
 costs more than an eighth of a byte per value), nor is a 0-d or 8-bit one.
 
-A group with a non-finite value gets a non-finite scale and decodes to NaN
+A group with an infinite value gets an infinite scale and decodes to NaN
 everywhere, so a forward overflow stays visible to loss scaling.
 
-INT8 spaces its 255 levels evenly, so one outlier coarsens every other value
-of its group; its default group is 32 values (Jetfire's 32-wide blocks,
-arXiv 2403.12422), where FP8's logarithmic spacing keeps small values precise
-next to a large one at 128.
+The arithmetic is the codec's (``_base/_codec.py``: last-axis groups, a step
+scale); the bound, the default group and whether products' inputs are stored
+come from the dtype's registered format (``_base/_formats.py``). INT8 spaces
+its 255 levels evenly, so one outlier coarsens every other value of its group;
+its default group is 32 values (Jetfire's 32-wide blocks, arXiv 2403.12422),
+where FP8's logarithmic spacing keeps small values precise next to a large one
+at 128.
 """
 
 from __future__ import annotations
@@ -32,36 +35,24 @@ import dataclasses
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
+from .._base import _formats
+from .._base._codec import LastAxisGroups, Recipe, dequantize, quantize
 from .._base._dtypes import is_float
 
 MIN_AXIS = 32
-FP8_GROUP = 128
-INT8_GROUP = 32
-
-_NAMES = {
-    "fp8": jnp.float8_e4m3fn,
-    "e4m3": jnp.float8_e4m3fn,
-    "float8_e4m3fn": jnp.float8_e4m3fn,
-    "e5m2": jnp.float8_e5m2,
-    "float8_e5m2": jnp.float8_e5m2,
-    "int8": jnp.int8,
-}
-STORED_DTYPES = (
-    np.dtype(jnp.float8_e4m3fn),
-    np.dtype(jnp.float8_e5m2),
-    np.dtype(jnp.int8),
-)
 
 
 @dataclasses.dataclass(frozen=True)
 class Format:
-    """A stored form: the 8-bit dtype and the group length along the last axis.
+    """A stored form: the 8-bit dtype and the group length along the last axis;
+    the rest is read from the dtype's registered format (``_base/_formats.py``).
 
     Attributes:
-        dtype: ``float8_e4m3fn``, ``float8_e5m2`` or ``int8``.
+        dtype: the dtype of a registered 8-bit format (``float8_e4m3fn``,
+            ``float8_e5m2``, ``int8``, or one added by
+            ``jaxamp.quant.register_format``).
         group: values per scale along the last axis.
     """
 
@@ -69,20 +60,24 @@ class Format:
     group: int
 
     @property
+    def qformat(self) -> _formats.QFormat:
+        """The registered format of :attr:`dtype`."""
+        return _formats.require(self.dtype, "Format(dtype)")
+
+    @property
     def bound(self) -> float:
         """The largest stored magnitude: 448 (E4M3), 57344 (E5M2), 127 (INT8)."""
-        if self.dtype == np.dtype(jnp.int8):
-            return 127.0
-        return float(jnp.finfo(self.dtype).max)
+        return self.qformat.bound
 
     @property
     def stores_products(self) -> bool:
         """Whether the inputs a product's weight gradient reads are stored in
-        this form: only int8 in 32-wide groups (0.5% rms error per value).
-        FP8's 3 or 2 mantissa bits (2.6%, 5.1%) reach a weight gradient
-        ``x^T g`` undamped, so FP8 leaves those inputs in the compute dtype
-        and stores the inputs of non-linearities, norms and attention."""
-        return self.dtype == np.dtype(jnp.int8)
+        this form (the format's own property; of the built-in formats, int8's:
+        0.5% rms error per value in 32-wide groups). FP8's 3 or 2 mantissa
+        bits (2.6%, 5.1%) reach a weight gradient ``x^T g`` undamped, so FP8
+        leaves those inputs in the compute dtype and stores the inputs of
+        non-linearities, norms and attention."""
+        return self.qformat.stores_products
 
     @property
     def product_form(self) -> Format:
@@ -91,7 +86,14 @@ class Format:
         where it stores products' inputs, else int8 in 1 x 32 groups."""
         if self.stores_products:
             return self
-        return Format(np.dtype(jnp.int8), INT8_GROUP)
+        return Format(_formats.INT8.dtype, _formats.INT8.group)
+
+    @property
+    def recipe(self) -> Recipe:
+        """The codec's recipe of this form (``_base/_codec.py``)."""
+        return Recipe(
+            format=self.qformat, group=LastAxisGroups(self.group), scale_form="step"
+        )
 
     def groups(self, length: int) -> tuple[int, int]:
         """``(group length, number of groups)`` for a last axis of ``length``."""
@@ -100,25 +102,24 @@ class Format:
 
 
 def parse_dtype(dtype: Any, argname: str) -> np.dtype | None:
-    """The stored dtype named by ``dtype`` (None: not compressed).
+    """The stored dtype named by ``dtype`` (None: not compressed): a registered
+    8-bit format's name, alias or dtype.
 
     Raises:
-        ValueError: for anything but FP8 E4M3/E5M2, ``"int8"`` or None.
+        ValueError: for anything but a registered format or None.
     """
     if dtype is None:
         return None
-    key = dtype.lower() if isinstance(dtype, str) else None
-    try:
-        found = np.dtype(_NAMES[key]) if key in _NAMES else np.dtype(dtype)
-    except TypeError:
-        found = None
-    if found not in STORED_DTYPES:
+    fmt = _formats.lookup(dtype)
+    if fmt is None:
+        names = ", ".join(repr(f.name) for f in _formats.registered())
         raise ValueError(
-            f"{argname}={dtype!r}: residuals are stored as jnp.float8_e4m3fn, "
-            "jnp.float8_e5m2 or 'int8' (or None: in the dtype amp computes them "
-            "in)."
+            f"{argname}={dtype!r}: residuals are stored in a registered 8-bit "
+            f"format ({names}; jaxamp.quant.register_format adds one), e.g. "
+            "jnp.float8_e4m3fn or 'int8' (or None: in the dtype amp computes "
+            "them in)."
         )
-    return found
+    return fmt.dtype
 
 
 def compressible(x: Any) -> bool:
@@ -139,16 +140,6 @@ def compressible_aval(x: Any) -> bool:
     )
 
 
-def _grouped(x: Any, fmt: Format) -> Any:
-    """``x`` in float32 as ``(..., n, g)``, the last group zero-padded."""
-    g, n = fmt.groups(x.shape[-1])
-    xf = x.astype(jnp.float32)
-    pad = n * g - x.shape[-1]
-    if pad:
-        xf = jnp.pad(xf, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
-    return xf.reshape(*x.shape[:-1], n, g)
-
-
 def encode(x: Any, fmt: Format) -> tuple[Any, Any]:
     """``(q, scale)``: ``x`` stored in ``fmt`` (see the module docstring).
 
@@ -160,15 +151,7 @@ def encode(x: Any, fmt: Format) -> tuple[Any, Any]:
         ``q`` of ``x``'s shape in ``fmt.dtype`` and float32 ``scale`` of shape
         ``x.shape[:-1] + (n,)``.
     """
-    groups = _grouped(x, fmt)
-    amax = jnp.max(jnp.abs(groups), axis=-1)
-    bound = np.float32(fmt.bound)
-    scale = jnp.where(amax > 0, amax / bound, np.float32(1.0))
-    y = groups / scale[..., None]
-    if fmt.dtype == np.dtype(jnp.int8):
-        y = jnp.round(y)
-    y = jnp.clip(y, -bound, bound).astype(fmt.dtype)
-    q = y.reshape(*x.shape[:-1], -1)[..., : x.shape[-1]]
+    q, scale = quantize(x.astype(np.float32), fmt.recipe)  # float32 groups' amax
     # The codes are what the backward pass reads: without a barrier XLA:GPU
     # may delete an FP8 round trip (excess precision, openxla/xla#41605) or
     # fuse the encoding into the decoding and keep the activation alive
@@ -178,5 +161,4 @@ def encode(x: Any, fmt: Format) -> tuple[Any, Any]:
 
 def decode(q: Any, scale: Any, fmt: Format, dtype: Any) -> Any:
     """The value ``(q, scale)`` stores, in ``dtype`` (inverse of :func:`encode`)."""
-    groups = _grouped(q, fmt) * scale[..., None]
-    return groups.reshape(*q.shape[:-1], -1)[..., : q.shape[-1]].astype(dtype)
+    return dequantize(q, scale, fmt.recipe, dtype)

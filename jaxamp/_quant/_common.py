@@ -1,4 +1,4 @@
-"""What the 8-bit matmul rules (FP8 in ``_fp8.py``, Int8 in ``_quant.py``)
+"""What the 8-bit matmul rules (FP8 in ``_fp8.py``, Int8 in ``_int8.py``)
 share: the size rule that keeps small matmuls in the compute dtype, the
 dimension bookkeeping of ``dot_general`` operands and scales, the
 compute-dtype fallback and the per-scope policy builder.
@@ -34,14 +34,12 @@ from .._base._dtypes import is_float, widest
 from .._policy._kinds import ImplementationRule
 from .._policy._lookup import builtin_rule
 from .._policy._rules import default_amp_policy, use_compute_precision
-from .._values._facts import current_facts
 
 SizeRule = Callable[[int, int, int], bool]
 
-# Name-stack markers put around the equations an 8-bit rule emits; read by
-# ``jaxamp.quantization_report`` to say which matmuls ran in which format.
-INT8_SCOPE = "amp_int8_matmul"
-FP8_SCOPE = "amp_fp8_matmul"
+# Name-stack markers put around the equations an 8-bit rule emits (a format's
+# own marker is its ``QFormat.scope``, ``amp_<label>_matmul``); read by
+# ``jaxamp.quantization_report`` to say why a matmul stayed unquantized.
 SMALL_SCOPE = "amp_small_matmul"
 # A gradient product the int8 recipe keeps in the compute dtype (wgrad by default).
 KEPT_SCOPE = "amp_kept_matmul"
@@ -132,7 +130,7 @@ def check_size_rule(size_rule: Any, owner: str) -> SizeRule:
     if not callable(size_rule):
         raise TypeError(
             f"{owner}(size_rule=...) takes a function (m, k, n) -> bool such as "
-            f"jaxamp.min_matmul_size(k=1024) or None, got {size_rule!r}."
+            f"jaxamp.quant.min_matmul_size(k=1024) or None, got {size_rule!r}."
         )
     return size_rule
 
@@ -362,7 +360,7 @@ def eight_bit_rule(
     quantized: Callable[[jax.Array, jax.Array, Any, Any], jax.Array],
     quantize_last: bool = True,
 ) -> Callable:
-    """An :class:`jaxamp.ImplementationRule` for ``dot_general``
+    """An :class:`jaxamp.rules.ImplementationRule` for ``dot_general``
     that runs ``quantized(lhs, rhs, dimension_numbers, compute_dtype)`` inside
     ``jax.named_scope(scope)``, shared by the int8 and FP8 rules.
 
@@ -380,7 +378,8 @@ def eight_bit_rule(
     (``benchmarks/RESULTS_QUANT.md``).
     """
 
-    def rule(compute_dtype, original_dtypes, lhs, rhs, **params):
+    def rule(ctx, lhs, rhs, **params):
+        compute_dtype, original_dtypes = ctx.compute_dtype, ctx.original_dtypes
         if not (is_float(lhs.dtype) and is_float(rhs.dtype)):
             new_in, new_params = use_compute_precision(
                 compute_dtype, original_dtypes, lhs, rhs, **params
@@ -388,7 +387,7 @@ def eight_bit_rule(
             return jax.lax.dot_general_p.bind(*new_in, **new_params)
         if np.dtype(lhs.dtype).itemsize == 1 or np.dtype(rhs.dtype).itemsize == 1:
             return jax.lax.dot_general_p.bind(lhs, rhs, **params)
-        if not quantize_last and current_facts().tail:
+        if not quantize_last and ctx.facts.tail:
             out = params.get("preferred_element_type") or widest(original_dtypes)
             with jax.named_scope(LOSS_SCOPE):
                 return compute_dtype_dot(compute_dtype, lhs, rhs, params, out)
@@ -400,7 +399,7 @@ def eight_bit_rule(
             return quantized(lhs, rhs, dn, compute_dtype)
 
     rule.__name__ = name
-    return ImplementationRule(rule)
+    return ImplementationRule.with_context(rule)
 
 
 def compute_dtype_dot(

@@ -31,6 +31,11 @@ Direct quantization, not quantize-dequantize: the product really is bound on
 float8 operands rather than left to a compiler pattern match that silently
 falls back to a 16-bit GEMM (Transformer Engine moved JAX to direct
 quantization in NVIDIA/TransformerEngine#1819; Flax deprecated its QDQ op).
+
+The quantization is the codec's (``_base/_codec.py``: one scale per tensor, a
+multiplier). The formats are registered values (``_base/_formats.py``):
+``format=`` runs the same recipe with another 8-bit float format, its
+gradients in that format's ``grad`` format.
 """
 
 from __future__ import annotations
@@ -44,9 +49,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _compat
+from .._base import _formats
+from .._base._codec import PerTensor, Recipe
+from .._base._codec import quantize as _quantize
 from .._base._dtypes import is_float
 from ._common import (
-    FP8_SCOPE,
     check_size_rule,
     eight_bit_rule,
     scoped_policy,
@@ -55,9 +62,6 @@ from ._common import (
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
-# Largest scale: 2**126, whose inverse 2**-126 is float32's smallest normal (an
-# inverse scale in the subnormal range would be flushed to zero on CPU and GPU).
-_MAX_SCALE = np.float32(2.0**126)
 
 
 def _is_fp8(dtype: Any) -> bool:
@@ -102,17 +106,14 @@ def quantize(
             f"quantize(x, dtype): dtype must be an 8-bit float such as "
             f"jnp.float8_e4m3fn or jnp.float8_e5m2, got {dtype!r}."
         )
-    fmax = float(jnp.finfo(dtype).max)
-    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
-    ok = (amax > 0) & jnp.isfinite(amax)
-    scale = np.float32(fmax / 2.0**margin) / jnp.where(ok, amax, np.float32(1))
-    scale = jnp.minimum(scale, _MAX_SCALE)  # amax tiny: fp8_max / amax may be inf
-    if power_of_two:
-        mantissa, exponent = jnp.frexp(scale)  # scale = mantissa * 2**exponent
-        del mantissa  # in [0.5, 1): 2**(exponent - 1) <= scale
-        scale = jnp.ldexp(np.float32(1), exponent - 1)
-    scale = jnp.where(ok, scale, np.float32(1)).astype(jnp.float32)
-    return (x.astype(jnp.float32) * scale).astype(dtype), scale
+    return _per_tensor(x, _formats.as_format(dtype, "dtype"), margin, power_of_two)
+
+
+def _per_tensor(x, fmt, margin, power_of_two):
+    recipe = Recipe(
+        format=fmt, group=PerTensor(), margin=margin, power_of_two=power_of_two
+    )
+    return _quantize(x, recipe)
 
 
 def _unscale(out: jax.Array, scale_a: jax.Array, scale_b: jax.Array) -> jax.Array:
@@ -121,7 +122,7 @@ def _unscale(out: jax.Array, scale_a: jax.Array, scale_b: jax.Array) -> jax.Arra
     return out * (np.float32(1) / scale_a) * (np.float32(1) / scale_b)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
 def fp8_dot_general(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -129,6 +130,7 @@ def fp8_dot_general(
     out_dtype: Any = jnp.bfloat16,
     margin: int = 0,
     power_of_two: bool = False,
+    format: Any = "float8_e4m3fn",
 ) -> jax.Array:
     """``lax.dot_general`` computed in FP8 (E4M3 operands, E5M2 gradients).
 
@@ -152,6 +154,9 @@ def fp8_dot_general(
         out_dtype: dtype of the result (the amp compute dtype or float32).
         margin: power-of-two headroom of the per-tensor scales.
         power_of_two: round every scale down to a power of two.
+        format: the operands' 8-bit float format, a registered name or dtype
+            (:func:`jaxamp.quant.register_format`); the cotangent takes the format's
+            gradient format (E5M2 for the default E4M3).
 
     Returns:
         The product, shape as ``lax.dot_general``'s, dtype ``out_dtype``.
@@ -162,13 +167,23 @@ def fp8_dot_general(
     Raises:
         TypeError: from ``lax.dot_general`` if the shapes do not match
             ``dimension_numbers``.
+        ValueError: if ``format`` is not a registered 8-bit float format.
     """
-    return _fp8_fwd(lhs, rhs, dimension_numbers, out_dtype, margin, power_of_two)[0]
+    args = (dimension_numbers, out_dtype, margin, power_of_two, format)
+    return _fp8_fwd(lhs, rhs, *args)[0]
 
 
-def _fp8_fwd(lhs, rhs, dimension_numbers, out_dtype, margin, power_of_two):
-    lq, ls = quantize(lhs, E4M3, margin, power_of_two)
-    rq, rs = quantize(rhs, E4M3, margin, power_of_two)
+def _float_format(spec: Any, argname: str) -> _formats.QFormat:
+    fmt = _formats.require(spec, argname)
+    if fmt.kind != "float":
+        raise ValueError(f"{argname}={spec!r}: {fmt.name} is no 8-bit float format.")
+    return fmt
+
+
+def _fp8_fwd(lhs, rhs, dimension_numbers, out_dtype, margin, power_of_two, format):
+    fmt = _float_format(format, "fp8_dot_general(format)")
+    lq, ls = _per_tensor(lhs, fmt, margin, power_of_two)
+    rq, rs = _per_tensor(rhs, fmt, margin, power_of_two)
     out = jax.lax.dot_general(
         lq, rq, dimension_numbers, preferred_element_type=jnp.float32
     )
@@ -177,10 +192,11 @@ def _fp8_fwd(lhs, rhs, dimension_numbers, out_dtype, margin, power_of_two):
     return out, (lq, ls, rq, rs, jnp.zeros(0, lhs.dtype), jnp.zeros(0, rhs.dtype))
 
 
-def _fp8_bwd(dimension_numbers, out_dtype, margin, power_of_two, res, g):
+def _fp8_bwd(dimension_numbers, out_dtype, margin, power_of_two, format, res, g):
     del out_dtype
     lq, ls, rq, rs, ldt, rdt = res
-    gq, gs = quantize(g, E5M2, margin, power_of_two)
+    grad = _float_format(format, "fp8_dot_general(format)").grad_format
+    gq, gs = _per_tensor(g, grad, margin, power_of_two)
     dl = _compat.dot_general_transpose_lhs(gq, lq, rq, dimension_numbers)
     dr = _compat.dot_general_transpose_rhs(gq, lq, rq, dimension_numbers)
     return _unscale(dl, gs, rs).astype(ldt.dtype), _unscale(dr, ls, gs).astype(
@@ -198,10 +214,11 @@ def fp8_rule(
     *,
     size_rule: Any = torchao_tensorwise_size_rule,
     quantize_last_matmul: bool = False,
+    format: Any = "float8_e4m3fn",
 ):
     """An amp *implementation rule* for ``dot_general`` that runs it in FP8.
 
-    Implementation rules (:class:`jaxamp.ImplementationRule`) have the rule
+    Implementation rules (:class:`jaxamp.rules.ImplementationRule`) have the rule
     signature but return the equation's outputs instead of
     ``(invars, bind_params)``; the interpreter uses them as they are. This one
     binds :func:`fp8_dot_general` for products of two floats that pass
@@ -218,31 +235,40 @@ def fp8_rule(
         power_of_two: round the scales down to powers of two.
         size_rule: ``(m, k, n) -> bool`` on the forward product's per-batch
             rows (the activation's free elements), contraction and columns
-            (the weight's, as :func:`jaxamp.int8_rule` reads them): True to
+            (the weight's, as :func:`jaxamp.quant.int8_rule` reads them): True to
             run it in FP8. Default
-            :func:`jaxamp.torchao_tensorwise_size_rule` (torchao's H100
+            :func:`jaxamp.quant.torchao_tensorwise_size_rule` (torchao's H100
             crossover for per-tensor scales: skip ``K <= 4096 and
             N <= 1024``); None runs every matmul in FP8;
-            :class:`jaxamp.min_matmul_size` builds thresholds.
+            :class:`jaxamp.quant.min_matmul_size` builds thresholds.
         quantize_last_matmul: run a product that feeds the loss (no other
             matmul reads it: a language model's head) in FP8 too. Default
             False: it runs in the compute dtype with a float32 result
             (torchtitan's MXFP8 converter skips the ``output`` layer;
             DeepSeek-V3 keeps the output head in BF16).
+        format: the operands' 8-bit float format, a registered name or dtype
+            (default E4M3; gradients in its gradient format, E5M2); its
+            matmuls run inside the scope ``amp_<label>_matmul``.
 
     Returns:
         The rule, to put under the ``"dot_general"`` key of a policy (or use
         :func:`fp8_policy`).
+
+    Raises:
+        ValueError: if ``format`` is not a registered 8-bit float format.
     """
+    fmt = _float_format(format, "fp8_rule(format)")
 
     def quantized(lhs, rhs, dn, compute_dtype):
         dtype = np.dtype(compute_dtype if out_dtype is None else out_dtype)
-        return fp8_dot_general(lhs, rhs, dn, dtype, margin, power_of_two)
+        return fp8_dot_general(lhs, rhs, dn, dtype, margin, power_of_two, fmt)
 
     size_rule = check_size_rule(size_rule, "fp8_rule")
     name = f"fp8_rule(margin={margin}, power_of_two={power_of_two})"
+    if fmt.dtype != E4M3:
+        name = f"{name[:-1]}, format={fmt.name!r})"
     last = bool(quantize_last_matmul)
-    return eight_bit_rule(name, size_rule, "auto", FP8_SCOPE, quantized, last)
+    return eight_bit_rule(name, size_rule, "auto", fmt.scope, quantized, last)
 
 
 def fp8_policy(
@@ -253,6 +279,7 @@ def fp8_policy(
     power_of_two: bool = False,
     size_rule: Any = torchao_tensorwise_size_rule,
     quantize_last_matmul: bool = False,
+    format: Any = "float8_e4m3fn",
     base: Mapping[Any, Any] | None = None,
 ) -> dict[Any, Any]:
     """An amp policy with FP8 matmuls everywhere or only inside named scopes.
@@ -270,6 +297,7 @@ def fp8_policy(
         fp8_policy(exclude_scopes=("embed", "head"))  # all but first/last layer
         fp8_policy(scopes=("mlp",))                   # only the MLPs
         fp8_policy(size_rule=None)                    # small matmuls too
+        fp8_policy(format="e3m4")                     # a registered format
         # expands to {**default_amp_policy,
         #             "mlp": {**default_amp_policy, "dot_general": fp8_rule()}}
 
@@ -287,6 +315,8 @@ def fp8_policy(
             enough to pay for FP8 (default torchao's tensorwise filter).
         quantize_last_matmul: passed to :func:`fp8_rule` (default False:
             the product feeding the loss stays in the compute dtype).
+        format: passed to :func:`fp8_rule`: the operands' 8-bit float
+            format (default E4M3, gradients E5M2).
         base: the policy for everything else; default
             ``jaxamp.default_amp_policy``.
 
@@ -297,6 +327,7 @@ def fp8_policy(
     Raises:
         TypeError: if ``scopes`` or ``exclude_scopes`` is a single string
             rather than a collection of names.
+        ValueError: if ``format`` is not a registered 8-bit float format.
     """
     rule = fp8_rule(
         margin,
@@ -304,6 +335,7 @@ def fp8_policy(
         power_of_two,
         size_rule=size_rule,
         quantize_last_matmul=quantize_last_matmul,
+        format=format,
     )
     return scoped_policy("fp8_policy", rule, scopes, exclude_scopes, base)
 

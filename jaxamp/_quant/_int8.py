@@ -63,6 +63,10 @@ in the checkpointed function is.
 
 Limits: int32 accumulation is exact for contractions up to
 ``2**31 / 127**2 = 133144`` terms; longer contractions may wrap.
+
+The quantization and the noise are the codec's (``_base/_codec.py``: one
+scale per row along the reduced axes, a multiplier, a NaN scale for a
+non-finite row).
 """
 
 from __future__ import annotations
@@ -77,9 +81,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._base import _state
+from .._base._codec import PerAxes, Recipe, quantize
+from .._base._codec import rounding_noise as rounding_noise  # this module's noise
 from .._base._dtypes import is_float
+from .._base._formats import INT8
 from ._common import (
-    INT8_SCOPE,
     KEPT_SCOPE,
     WEIGHT_CHOICES,
     Dims,
@@ -93,47 +99,8 @@ from ._common import (
 )
 
 F32, I8, I32, U32 = (np.dtype(t) for t in (jnp.float32, jnp.int8, jnp.int32, "uint32"))
-QMAX = 127.0
-_MAX_SCALE = np.float32(2.0**126)  # its inverse is float32's smallest normal
 GRANULARITIES = ("rowwise", "tensorwise")
 _WGRAD_SALT = np.uint32(0x9E3779B9)
-
-
-def _mix32(h: jax.Array) -> jax.Array:
-    # lowbias32: two multiply-xorshift rounds; full avalanche on uint32.
-    h = h ^ (h >> np.uint32(16))
-    h = h * np.uint32(0x7FEB352D)
-    h = h ^ (h >> np.uint32(15))
-    h = h * np.uint32(0x846CA68B)
-    return h ^ (h >> np.uint32(16))
-
-
-def rounding_noise(x: jax.Array, seed: Any = 0) -> jax.Array:
-    """Uniform ``[0, 1)`` noise for stochastic rounding, derived from ``x``.
-
-    Each element's noise is a hash of its float32 bits, its flat index, a
-    digest of the whole tensor (wrapping sum of the per-element hashes) and
-    ``seed``; see the module docstring for why the data is the source.
-
-    Args:
-        x: float array, any shape and float dtype (hashed as float32).
-        seed: a uint32 scalar (array or int) mixed into every element's hash;
-            0 for the data-derived noise alone.
-
-    Returns:
-        float32 array of ``x``'s shape, values ``k * 2**-24`` in ``[0, 1)``.
-    """
-    bits = jax.lax.bitcast_convert_type(x.astype(F32), U32)
-    idx = jnp.zeros(x.shape, U32)
-    stride = 1
-    for axis in reversed(range(x.ndim)):
-        step = np.uint32(stride % 2**32)
-        idx = idx + jax.lax.broadcasted_iota(U32, x.shape, axis) * step
-        stride *= x.shape[axis]
-    h = _mix32(bits ^ _mix32(idx + np.uint32(0x2545F491)))
-    digest = jnp.sum(h, dtype=U32) ^ jnp.asarray(seed, U32)
-    u = _mix32(h ^ _mix32(digest))
-    return (u >> np.uint32(8)).astype(F32) * np.float32(2.0**-24)
 
 
 def _reduce_axes(granularity: str, contracting: Iterable[int], ndim: int) -> tuple:
@@ -158,7 +125,7 @@ def int8_quantize(
         axes: the dims ``amax`` is reduced over; for a matmul operand, its
             contracting dims (rowwise scales); None for one per-tensor scale.
         stochastic: round stochastically (``floor(x * scale + u)``, unbiased)
-            instead of to nearest, with :func:`rounding_noise`.
+            instead of to nearest, with the codec's ``rounding_noise``.
         seed: uint32 seed mixed into the noise (stochastic rounding only).
 
     Returns:
@@ -181,15 +148,14 @@ def int8_quantize(
         raise ValueError(
             f"int8_quantize(x, axes={axes}): axes must index x's {x.ndim} dims."
         )
-    axes = tuple(a % x.ndim for a in axes)
-    x = x.astype(F32)
-    amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True)
-    ok = (amax > 0) & jnp.isfinite(amax)
-    scale = jnp.minimum(np.float32(QMAX) / jnp.where(ok, amax, 1), _MAX_SCALE)
-    scale = jnp.where(ok, scale, jnp.where(amax == 0, np.float32(1), np.nan))
-    y = x * jnp.where(ok, scale, np.float32(1))
-    y = jnp.floor(y + rounding_noise(x, seed)) if stochastic else jnp.round(y)
-    return jnp.clip(y, -QMAX, QMAX).astype(I8), scale.astype(F32)
+    recipe = Recipe(
+        format=INT8,
+        group=PerAxes(tuple(a % x.ndim for a in axes)),
+        rounding="stochastic" if stochastic else "nearest",
+        seed=seed,
+        nonfinite="nan",
+    )
+    return quantize(x.astype(F32), recipe)  # the float32 values' amax
 
 
 @dataclasses.dataclass(frozen=True)
@@ -419,7 +385,8 @@ def int8_rule(
     weight: str = "auto",
     quantize_last_matmul: bool = False,
 ):
-    """An amp implementation rule (:class:`jaxamp.ImplementationRule`) running float
+    """An amp implementation rule (:class:`jaxamp.rules.ImplementationRule`) running
+    float
     ``dot_general`` equations through :func:`int8_dot_general`.
 
     A matmul that ``size_rule`` rejects runs in the compute dtype as under the
@@ -439,8 +406,8 @@ def int8_rule(
         size_rule: ``(m, k, n) -> bool`` on the forward product's per-batch
             rows (activation's free elements), contraction and columns
             (weight's free elements): True to quantize. Default
-            :func:`jaxamp.torchao_rowwise_size_rule`; None quantizes every
-            matmul; :class:`jaxamp.min_matmul_size` builds thresholds.
+            :func:`jaxamp.quant.torchao_rowwise_size_rule`; None quantizes every
+            matmul; :class:`jaxamp.quant.min_matmul_size` builds thresholds.
         quantize_last_matmul: quantize a product that feeds the loss (no
             other matmul reads it: a language model's head). Default False:
             it runs in the compute dtype with a float32 result, as
@@ -472,7 +439,7 @@ def int8_rule(
 
     name = f"int8_rule({recipe})"
     return eight_bit_rule(
-        name, size_rule, weight, INT8_SCOPE, quantized, bool(quantize_last_matmul)
+        name, size_rule, weight, INT8.scope, quantized, bool(quantize_last_matmul)
     )
 
 

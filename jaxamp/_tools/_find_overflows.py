@@ -15,7 +15,6 @@ from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from .. import _compat
@@ -48,7 +47,7 @@ class Overflow(NamedTuple):
 def find_overflows(
     fn: Callable,
     *args: Any,
-    compute_dtype: Any = jnp.float16,
+    compute_dtype: Any = None,
     amp_policy: Mapping[Any, Any] | None = None,
     **kwargs: Any,
 ) -> list[Overflow]:
@@ -67,7 +66,10 @@ def find_overflows(
         fn: the function (as passed to :func:`jaxamp.amp`); array leaves of
             ``args``/``kwargs`` are traced, other leaves are static.
         *args: its positional arguments (any pytrees).
-        compute_dtype: the amp compute dtype (default float16).
+        compute_dtype: the amp compute dtype; None: amp's default
+            (:func:`jaxamp.amp`: the enclosing
+            :func:`jaxamp.migration.haliax.mixed_precision`
+            block's compute dtype, else float16).
         amp_policy: the amp policy (default :data:`jaxamp.default_amp_policy`).
         **kwargs: its keyword arguments.
 

@@ -13,25 +13,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 
 from .. import _compat
+from .._base._dtypes import is_float
 from .._base._jaxpr import check_jaxpr as _check
 from .._base._jaxpr import iter_equations as iter_equations
 from .._base._structure import describe, trips
 
-LOW_PRECISION = frozenset(
-    np.dtype(d).name
-    for d in (
-        jnp.float16,
-        jnp.bfloat16,
-        jnp.float8_e4m3fn,
-        jnp.float8_e5m2,
-        jnp.float8_e4m3fnuz,
-        jnp.float8_e5m2fnuz,
-    )
-)
+
+def _low_precision(name: str) -> bool:
+    """A float dtype of 16 bits or fewer: float16, bfloat16, every float8
+    type (registered 8-bit formats included)."""
+    dtype = np.dtype(name)
+    return is_float(dtype) and dtype.itemsize <= 2
 
 
 def _prod(xs: Any) -> float:
@@ -162,9 +157,7 @@ def low_precision_flop_share(closed: Any) -> float:
     """
     flops = matmul_flops_by_dtype(closed)
     total = sum(flops.values())
-    low = sum(
-        f for k, f in flops.items() if all(p in LOW_PRECISION for p in k.split(" x "))
-    )
+    low = sum(f for k, f in flops.items() if all(map(_low_precision, k.split(" x "))))
     return low / total if total else 0.0
 
 

@@ -20,17 +20,16 @@ from typing import Any
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from .. import _compat
-from .._amp import amp
-from .._base._dtypes import canonical_dtype
+from .._amp import AMP_DEFAULT, amp, compute_dtype_or_default
+from .._base._formats import name_of
+from .._base._scopes import eqn_scopes, scope_path
+from .._base._structure import plain_call
 from .._policy._checkpoint import SavedChoice, recording
 from .._policy._compressed import STASH_SCOPE
 from .._policy._rules import default_amp_policy
-
-_MARKERS = ("jax", "amp_", "rematted_computation")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +42,9 @@ class MemoryRow:
         primitive: the primitive that made the value (inside ``scan``, ``jit``
             and ``checkpoint`` bodies; ``"argument"`` never appears: arguments
             are alive anyway and not counted).
-        dtype: the stored dtype's name (``"float8_e4m3fn"``, ``"bfloat16"``).
+        dtype: the stored dtype's name (``"float8_e4m3fn"``, ``"bfloat16"``;
+            an 8-bit format added by :func:`jaxamp.quant.register_format` by its
+            name).
         shape: the shape of one of them (with a stacked ``scan`` axis).
         count: how many such arrays are saved.
         bytes: their total bytes.
@@ -59,12 +60,6 @@ class MemoryRow:
     source: str
 
 
-def _scope_path(scopes: tuple) -> str:
-    """The user's ``named_scope`` path, jaxamp's and JAX's markers left out."""
-    own = [s for s in scopes if not s.startswith(_MARKERS) and "->" not in s]
-    return "/".join(s for i, s in enumerate(own) if i == 0 or s != own[i - 1])
-
-
 def _producers(jaxpr: Any) -> dict:
     return {v: e for e in jaxpr.eqns for v in e.outvars}
 
@@ -76,7 +71,7 @@ def _origin(eqn: Any, k: int, scopes: tuple, where: Any = None) -> tuple:
     scopes on the way, and the equation whose source line names it: inside a
     ``jit`` body the ``jit`` call itself (JAX reuses a traced ``jit`` body,
     with the source lines of its first caller)."""
-    scopes = scopes + _compat.scope_names(eqn)
+    scopes = eqn_scopes(scopes, eqn)
     where = eqn if where is None else where
     subs = [
         s
@@ -89,7 +84,7 @@ def _origin(eqn: Any, k: int, scopes: tuple, where: Any = None) -> tuple:
     inner = _producers(core).get(core.outvars[k])
     if inner is None:  # forwarded from the body's inputs
         return eqn, scopes, where
-    frozen = eqn.primitive.name in ("jit", "pjit", "closed_call") or where is not eqn
+    frozen = plain_call(eqn) is not None or where is not eqn
     return _origin(
         inner,
         inner.outvars.index(core.outvars[k]),
@@ -131,15 +126,15 @@ def saved_rows(fn: Callable, *args: Any, **kwargs: Any) -> list[MemoryRow]:
         aval = v.aval
         eqn = None if literal else made.get(v)
         if eqn is None:
-            key = ("", "constant", np.dtype(aval.dtype).name, "")
+            key = ("", "constant", name_of(aval.dtype), "")
         else:
             origin, scopes, where = _origin(eqn, eqn.outvars.index(v), ())
             # An 8-bit copy made for amp's residual_dtype (_policy/_compressed.py)
             name = "encode" if STASH_SCOPE in scopes else origin.primitive.name
             key = (
-                _scope_path(scopes),
+                scope_path(scopes),
                 name,
-                np.dtype(aval.dtype).name,
+                name_of(aval.dtype),  # a registered 8-bit format's name
                 _compat.source_line(where),
             )
         size = int(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
@@ -226,7 +221,7 @@ class MemoryReport:
             "checkpoints": [
                 dict(
                     dataclasses.asdict(c),
-                    scopes=_scope_path(c.scopes),
+                    scopes=scope_path(c.scopes),
                     shape=list(c.shape),
                 )
                 for c in self.checkpoints
@@ -315,7 +310,7 @@ def _checkpoint_lines(choices: list[SavedChoice]) -> list[str]:
     for c in choices:
         shape = "x".join(map(str, c.shape))
         lines.append(
-            f"  {(_scope_path(c.scopes) or '-'):<16} {c.value:<14} {shape:<16} "
+            f"  {(scope_path(c.scopes) or '-'):<16} {c.value:<14} {shape:<16} "
             f"{c.dtype:<14} {c.rule:<38} {c.source.rsplit('/', 1)[-1]}"
         )
     return lines
@@ -343,7 +338,7 @@ def _compiled_bytes(fn: Callable, args: tuple, kwargs: dict) -> dict[str, int]:
 def memory_report(
     fn: Callable,
     *args: Any,
-    compute_dtype: Any = jnp.bfloat16,
+    compute_dtype: Any = AMP_DEFAULT,
     amp_policy: Mapping[Any, Any] = default_amp_policy,
     residual_dtype: Any = None,
     compile: bool = True,
@@ -356,8 +351,11 @@ def memory_report(
         fn: ``fn(params, *rest, **kwargs)`` returning a float scalar loss;
             gradients are taken w.r.t. ``params`` (a pytree of arrays).
         *args: its arguments (arrays; float32, bfloat16, ...).
-        compute_dtype: amp's compute dtype; None: ``fn`` as it is, without
-            amp (the float32 or hand-written baseline).
+        compute_dtype: amp's compute dtype; left out, amp's default
+            (:func:`jaxamp.amp`: the enclosing
+            :func:`jaxamp.migration.haliax.mixed_precision`
+            block's compute dtype, else float16); None: ``fn`` as it is,
+            without amp (the float32 or hand-written baseline).
         amp_policy: amp's policy.
         residual_dtype: amp's ``residual_dtype`` (None, ``jnp.float8_e4m3fn``,
             ``jnp.float8_e5m2``, ``"int8"``).
@@ -392,15 +390,15 @@ def memory_report(
         )
     settings = {"compute_dtype": "none (fn as is)"}
     if compute_dtype is not None:
+        compute_dtype = compute_dtype_or_default(compute_dtype)
         fn = amp(
             fn,
             compute_dtype=compute_dtype,
             amp_policy=amp_policy,
             residual_dtype=residual_dtype,
         )
-        compute = canonical_dtype(compute_dtype, argname="compute_dtype")
         settings = {
-            "compute_dtype": compute.name,
+            "compute_dtype": compute_dtype.name,
             "residual_dtype": str(getattr(residual_dtype, "__name__", residual_dtype)),
         }
     with recording() as choices:  # each checkpoint's saved values, and why

@@ -1,4 +1,4 @@
-"""The outputs of :class:`jaxamp.PrecisionReport`: a plain-text table, a
+"""The outputs of :class:`jaxamp.tools.PrecisionReport`: a plain-text table, a
 JSON dict and a PNG (a heatmap of scopes x op groups and the ranking, drawn
 with matplotlib, imported only when saving)."""
 

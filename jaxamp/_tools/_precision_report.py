@@ -37,9 +37,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _compat
-from .._amp import DEFAULT_PIPELINE, amp
-from .._base._dtypes import canonical_dtype, is_float
+from .._amp import DEFAULT_PIPELINE, amp, compute_dtype_or_default
+from .._base._dtypes import is_float
+from .._base._formats import lookup, name_of
 from .._base._prims import MATMULS
+from .._base._scopes import scope_path
 from .._base._structure import describe
 from .._policy._lookup import AmpPolicy
 from .._policy._rules import default_amp_policy
@@ -86,18 +88,6 @@ def op_group(eqn: Any) -> str:
     return "elementwise"
 
 
-def scope_path(scopes: tuple) -> str:
-    """The user's ``named_scope`` path: jaxamp's markers left out."""
-    own = [
-        s
-        for s in scopes
-        if not s.startswith(("jax", "amp_"))
-        and s != "rematted_computation"
-        and "->" not in s  # jnp.einsum's scope (its subscripts), not the user's
-    ]
-    return "/".join(s for i, s in enumerate(own) if i == 0 or s != own[i - 1])
-
-
 @dataclasses.dataclass
 class SiteRecord:
     """One equation instance of the report (JSON-serialisable).
@@ -109,7 +99,8 @@ class SiteRecord:
         group: its op group (``"matmul"``, ``"elementwise"``, ...).
         source: the user's line, ``"file.py:LINE:COL (function)"``.
         format: the low-precision format it ran in (``"bfloat16"``,
-            ``"int8"``, ``"float8_e4m3fn"``, ``"float32"``).
+            ``"int8"``, ``"float8_e4m3fn"``, ``"float32"``; an 8-bit format
+            added by :func:`jaxamp.quant.register_format` by its name).
         local_error: relative L2 error of amp's equation on the float32 inputs.
         propagated_error: relative L2 error of amp's value.
         overflow: fraction of output elements non-finite in amp's local value
@@ -173,7 +164,7 @@ def _format(site: Site, cache: dict) -> tuple[str, bool]:
         for eqn in closed.jaxpr.eqns + _inner(closed.jaxpr):
             ops = [np.dtype(v.aval.dtype) for v in eqn.invars]
             if eqn.primitive.name in MATMULS and all(d.itemsize == 1 for d in ops):
-                fmt, reduced = ops[0].name, True
+                fmt, reduced = name_of(ops[0]), True  # a registered format's name
                 break
             avals = (*eqn.invars, *eqn.outvars)
             low = [
@@ -208,7 +199,11 @@ def _site_meta(site: Site, cache: dict) -> tuple:
 def _record(meta: tuple, row: np.ndarray, grad_norm: float) -> SiteRecord:
     eqn, scopes, iteration, fmt = meta
     name = eqn.primitive.name
-    fmax = float(jnp.finfo(fmt).max) if fmt.startswith(("float", "bfloat")) else 127.0
+    fmax = 127.0
+    if fmt and lookup(fmt) is not None:  # an 8-bit format: its bound
+        fmax = lookup(fmt).bound
+    elif fmt.startswith(("float", "bfloat")):
+        fmax = float(jnp.finfo(fmt).max)
     local, prop, over, under, peak, loss_share, back = (float(v) for v in row)
     loss_share = loss_share if np.isfinite(loss_share) else float("inf")
     return SiteRecord(
@@ -301,7 +296,7 @@ def _amp_step(fn, args, kwargs, compute_dtype, policy, has_aux, scale) -> tuple:
 def precision_report(
     loss_fn: Callable,
     *args: Any,
-    compute_dtype: Any = jnp.bfloat16,
+    compute_dtype: Any = None,
     amp_policy: Mapping[Any, Any] = default_amp_policy,
     has_aux: bool = False,
     loss_scale: float | None = None,
@@ -325,7 +320,7 @@ def precision_report(
             (dicts, Equinox modules; for Flax NNX pass ``nnx.split``'s state).
         *args: its arguments; gradients are taken w.r.t. the float arrays of
             ``args[0]``; other array leaves are inputs, non-arrays static.
-        compute_dtype: amp's compute dtype (default bfloat16).
+        compute_dtype: amp's compute dtype; None: amp's default (:func:`jaxamp.amp`).
         amp_policy: amp's policy (default :data:`jaxamp.default_amp_policy`;
             e.g. :func:`jaxamp.int8_policy` or :func:`jaxamp.fp8_policy`).
         has_aux: ``loss_fn`` returns ``(loss, aux)``.
@@ -353,7 +348,7 @@ def precision_report(
             f"precision_report(group_depth=...) must be an int >= 1, got "
             f"{group_depth!r}; 1 groups parameters by their top-level keys."
         )
-    cd = canonical_dtype(compute_dtype, argname="compute_dtype")
+    cd = compute_dtype_or_default(compute_dtype)
     out = jax.eval_shape(lambda: loss_fn(*args, **kwargs))
     _check_loss(out[0] if has_aux else out)
     scale = float(loss_scale or (2.0**15 if cd == np.float16 else 1.0))

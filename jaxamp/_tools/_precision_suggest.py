@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._amp import amp
+from .._base._formats import is_eight_bit
 from .._policy._rules import default_amp_policy, use_original_precision
 from ._measure import matmul_flops_by_dtype
 
@@ -84,7 +85,7 @@ class Runner:
 
 @dataclasses.dataclass(eq=False)
 class Suggestion(Mapping):
-    """A verified policy change (:meth:`jaxamp.PrecisionReport.suggest`).
+    """A verified policy change (:meth:`jaxamp.tools.PrecisionReport.suggest`).
 
     A read-only mapping: its items are ``policy``'s, so the suggestion itself
     is an ``amp_policy`` (``amp(loss, amp_policy=report.suggest(...))``).
@@ -139,10 +140,7 @@ def policy_key(path: str, paths: list[str]) -> str:
 
 
 def _override(report: Any, path: str) -> tuple[Any, str]:
-    eight = any(
-        r.scope == path and (r.format == "int8" or r.format.startswith("float8"))
-        for r in report.records
-    )
+    eight = any(r.scope == path and is_eight_bit(r.format) for r in report.records)
     if eight:
         return default_amp_policy, COMPUTE
     return {"amp_default": use_original_precision}, FLOAT32
@@ -154,10 +152,10 @@ def suggest(
     loss_error: float | None,
     max_overrides: int = 8,
 ) -> Suggestion:
-    """See :meth:`jaxamp.PrecisionReport.suggest`.
+    """See :meth:`jaxamp.tools.PrecisionReport.suggest`.
 
     Args:
-        report: the :class:`jaxamp.PrecisionReport`.
+        report: the :class:`jaxamp.tools.PrecisionReport`.
         grad_error: target gradient relative L2 error, or None.
         loss_error: target loss relative error, or None.
         max_overrides: most scopes to override.
@@ -206,7 +204,7 @@ def suggest(
 
 def _predicted(report, shares, grad_error, loss_error, max_overrides) -> int:
     """How many of the ranked scopes the estimated shares of the error they
-    remove (:meth:`jaxamp.PrecisionReport.scopes`) say are needed."""
+    remove (:meth:`jaxamp.tools.PrecisionReport.scopes`) say are needed."""
     vals = list(shares.values())
     if grad_error is not None:
         now, target, sq = report.grad_error, grad_error, True

@@ -48,6 +48,7 @@ from .._base import _state
 from .._base._cast import restore
 from .._base._dtypes import is_float
 from .._base._jaxpr import bind_eqn, is_var, read
+from .._base._scopes import eqn_scopes
 from .._base._structure import Structure, describe, runs_whole
 from .._values import _facts
 from .._walk._loop import AmpContext, Walk, check_rule_result
@@ -480,7 +481,7 @@ def traverse(
             read(env, v) if is_var(v) else visitor.lift(read(env, v))
             for v in eqn.invars
         ]
-        scopes = ctx.scopes + _compat.scope_names(eqn)
+        scopes = eqn_scopes(ctx.scopes, eqn)
         inner = ctx.inside(scopes)
         structure = None if runs_whole(eqn) else describe(eqn)
         if structure is not None and structure.call:

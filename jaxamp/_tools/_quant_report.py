@@ -12,9 +12,9 @@ import numpy as np
 from .. import _compat
 from .._base import _structure
 from .._base._dtypes import is_float
+from .._base._formats import label_of
+from .._base._scopes import eqn_scopes, scope_path
 from .._quant._common import (
-    FP8_SCOPE,
-    INT8_SCOPE,
     KEPT_SCOPE,
     LOSS_SCOPE,
     SMALL_SCOPE,
@@ -23,15 +23,6 @@ from .._quant._common import (
 from .._rewrites._attention import FUSED_SCOPE
 from ._measure import matmul_flops_by_dtype
 
-# jaxamp's own scopes and JAX's name for a jax.checkpoint body: not the user's.
-_MARKERS = {
-    INT8_SCOPE,
-    FP8_SCOPE,
-    SMALL_SCOPE,
-    KEPT_SCOPE,
-    LOSS_SCOPE,
-    "rematted_computation",
-}
 _REASONS = (
     (LOSS_SCOPE, "feeds the loss: kept in the compute dtype"),
     (SMALL_SCOPE, "below the size rule"),
@@ -46,7 +37,7 @@ def _is_8bit(name: str) -> bool:
 
 def eight_bit_flop_share(closed: Any) -> float:
     """Share of matrix-product FLOPs whose two operands are 8-bit (int8 or a
-    float8 type), counted as :func:`jaxamp.matmul_flops_by_dtype` counts.
+    float8 type), counted as :func:`jaxamp.tools.matmul_flops_by_dtype` counts.
 
     Args:
         closed: a ``ClosedJaxpr`` or ``Jaxpr``, e.g.
@@ -73,8 +64,11 @@ class MatmulRecord(NamedTuple):
         source: ``"file.py:LINE:COL (function)"`` of the user code.
         shape: ``(batch, M, K, N)`` of the product (per-batch rows, contraction
             and columns).
-        format: ``"int8"``, ``"fp8"`` (float8 operands), or the operand dtype
-            name (``"bfloat16"``; ``"float32 x bfloat16"`` when they differ).
+        format: an 8-bit product's format label (``"int8"``; ``"fp8"`` for
+            E4M3 and E5M2 operands; a format added by
+            :func:`jaxamp.quant.register_format` by its label, else the dtype
+            name), or the operand dtype name (``"bfloat16"``;
+            ``"float32 x bfloat16"`` when they differ).
         flops: FLOPs per call of the function (``scan`` bodies weighted by
             their length).
         reason: why an unquantized product stayed in its format: ``"feeds
@@ -96,13 +90,9 @@ class MatmulRecord(NamedTuple):
 
 
 def _walk(closed: Any, weight: float, outer: tuple):
-    # Equations inside a sub-jaxpr carry name stacks relative to the equation
-    # that holds them (or, after a transform, already the full stack).
     core, _ = _compat.jaxpr_parts(closed)
     for eqn in core.eqns:
-        own = _compat.scope_names(eqn)
-        scopes = own if own[: len(outer)] == outer and outer else outer + own
-        scopes = tuple(s for i, s in enumerate(scopes) if i == 0 or s != scopes[i - 1])
+        scopes = eqn_scopes(outer, eqn)
         yield eqn, weight, scopes
         inner = weight * _structure.trips(eqn)  # a loop's static trip count
         for sub in _compat.sub_jaxprs(eqn.params):
@@ -117,7 +107,8 @@ def _record(eqn: Any, weight: float, scopes: tuple) -> MatmulRecord:
     batch = int(np.prod([lhs.shape[i] for i in d.lb], dtype=np.int64))
     names = [np.dtype(lhs.dtype).name, np.dtype(rhs.dtype).name]
     if all(map(_is_8bit, names)):
-        fmt = "fp8" if all("float" in x for x in names) else names[0]
+        labels = [label_of(lhs.dtype), label_of(rhs.dtype)]  # registered formats'
+        fmt = labels[0] if labels[0] == labels[1] else " x ".join(labels)
         reason = ""
     else:
         fmt = names[0] if names[0] == names[1] else " x ".join(names)
@@ -128,11 +119,14 @@ def _record(eqn: Any, weight: float, scopes: tuple) -> MatmulRecord:
             reason = "integer operands"
         else:
             reason = "not quantized by the policy"
-    own = [s for s in scopes if s not in _MARKERS and not s.startswith("jax")]
-    user = "/".join(s for i, s in enumerate(own) if i == 0 or s != own[i - 1])
     flops = 2.0 * batch * m * k * n * weight
     return MatmulRecord(
-        user, _compat.source_line(eqn), (batch, m, k, n), fmt, flops, reason
+        scope_path(scopes),
+        _compat.source_line(eqn),
+        (batch, m, k, n),
+        fmt,
+        flops,
+        reason,
     )
 
 

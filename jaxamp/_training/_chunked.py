@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import _compat
+from .._base._structure import describe, runs_whole
 from ._rounding import BlockQuantized
 
 # Primitives whose every output element depends only on the same element of
@@ -39,19 +40,6 @@ _ELEMENTWISE = frozenset(
     shift_right_logical sign sin sinh sqrt square stop_gradient sub tan tanh
     xor""".split()
 )
-_CALLS = frozenset(
-    {
-        "pjit",
-        "jit",
-        "closed_call",
-        "core_call",
-        "custom_jvp_call",
-        "custom_vjp_call",
-        "custom_vjp_call_jaxpr",
-        "checkpoint",
-        "remat",
-    }
-)
 
 
 class Unchunkable(Exception):
@@ -59,11 +47,15 @@ class Unchunkable(Exception):
 
 
 def _callee(eqn: Any) -> Any:
-    """The jaxpr a call equation runs, or None."""
-    if eqn.primitive.name not in _CALLS:
+    """The jaxpr a call equation runs once on its operands (``jit``,
+    ``custom_jvp``, ``checkpoint``, a call registered with
+    :func:`jaxamp.register_higher_order`: a call in the higher-order
+    registry, ``_base/_structure.py``, that it evaluates by running its body),
+    or None."""
+    structure = describe(eqn)
+    if structure is None or not structure.call or runs_whole(eqn):
         return None
-    subs = list(_compat.sub_jaxprs(eqn.params))
-    return subs[0] if len(subs) == 1 else None
+    return structure.subs[0].jaxpr
 
 
 def _bind(eqn: Any, invals: Sequence[Any], params: dict | None = None) -> list:

@@ -8,7 +8,9 @@ written as an ``astype`` round trip (jax#6283, jax#23007). Bit operations and
 
 Random bits come from a stateless integer hash of (seed, step, stream, global
 element index), as llm.c's stochastic rounding does (``llmc/adamw.cuh``): no RNG
-state, and the same bits for an array on one device or sharded over a mesh.
+state, and the same bits for an array on one device or sharded over a mesh. The
+hash and the index are the codec's (``_base/_codec.py``), as is the block-wise
+8-bit quantization (its code table is a format of its own, :data:`DYNAMIC8`).
 """
 
 from __future__ import annotations
@@ -20,36 +22,20 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from .._base._codec import MURMUR3_FMIX32, FlatBlocks, Recipe, flat_index, mix32
+from .._base._codec import dequantize as _dequantize
+from .._base._codec import quantize as _quantize
+from .._base._formats import QFormat
+
 _U32 = jnp.uint32
 _GOLDEN = 0x9E3779B1
 _BF16_MAX_BITS = 0x7F7F  # largest finite bfloat16, bit pattern of its magnitude
 
 
 def _fmix32(h: jax.Array) -> jax.Array:
-    """MurmurHash3's 32-bit finalizer: a bijection of uint32 with full avalanche
-    (Appleby, MurmurHash3, public domain)."""
-    h = h ^ (h >> 16)
-    h = h * _U32(0x85EBCA6B)
-    h = h ^ (h >> 13)
-    h = h * _U32(0xC2B2AE35)
-    return h ^ (h >> 16)
-
-
-def global_index(shape: tuple[int, ...], offset: jax.Array | int = 0) -> jax.Array:
-    """Row-major flat index of every element of an array of ``shape`` (uint32),
-    plus ``offset`` (modulo 2^32).
-
-    Built from ``broadcasted_iota``, so under ``jit`` with a sharded operand each
-    shard computes the indices of its own elements in the *global* array; a
-    slice of rows of a larger array passes the flat index of its first element
-    as ``offset`` and gets the larger array's indices.
-    """
-    flat = jnp.zeros(shape, _U32) + jnp.asarray(offset).astype(_U32)
-    stride = 1
-    for d in reversed(range(len(shape))):
-        flat = flat + lax.broadcasted_iota(_U32, shape, d) * _U32(stride % 2**32)
-        stride *= shape[d]
-    return flat
+    """MurmurHash3's 32-bit finalizer (the codec's :func:`mix32` with its
+    constants)."""
+    return mix32(h, MURMUR3_FMIX32)
 
 
 def noise_bits(
@@ -76,7 +62,7 @@ def noise_bits(
     """
     key = _fmix32(jnp.asarray((seed * _GOLDEN + stream) % 2**32, _U32))
     key = _fmix32(key ^ (jnp.asarray(step).astype(_U32) * _U32(_GOLDEN)))
-    return _fmix32(_fmix32(global_index(shape, offset) ^ key) + key)
+    return _fmix32(_fmix32(flat_index(shape, offset) ^ key) + key)
 
 
 def _top_half_to_bf16(bits: jax.Array) -> jax.Array:
@@ -159,14 +145,6 @@ class BlockQuantized(NamedTuple):
     scales: jax.Array
 
 
-def _blocks(x: jax.Array, block_size: int) -> jax.Array:
-    flat = x.reshape(-1)
-    pad = (-flat.size) % block_size
-    if pad:
-        flat = jnp.pad(flat, (0, pad))
-    return flat.reshape(-1, block_size)
-
-
 def _nearest_code(v: jax.Array) -> jax.Array:
     """Index (0..255) of the dynamic map's value nearest to each ``v`` in
     [-1, 1], elementwise (XLA fuses it; a table search would not be).
@@ -189,6 +167,33 @@ def _nearest_code(v: jax.Array) -> jax.Array:
     return best
 
 
+def _to_codes(v: jax.Array) -> jax.Array:
+    return (_nearest_code(v) - 128).astype(jnp.int8)
+
+
+def _from_codes(codes: jax.Array) -> jax.Array:
+    return code_values(codes.astype(jnp.int32) + 128)
+
+
+DYNAMIC8 = QFormat(
+    name="dynamic8", dtype=jnp.int8, bound=1.0, codes=(_to_codes, _from_codes)
+)
+"""bitsandbytes' dynamic map as a codec format: int8 codes, ``code + 128``
+indexing :func:`code_values`; values in [-1, 1]. Not registered: it is the
+optimizer state's own, and a report reads int8 codes as the int8 format's."""
+
+
+def _recipe(block_size: int) -> Recipe:
+    # The stored scale is each block's absmax as it is (0 for a zero block, NaN
+    # for a block with a NaN, so that it decodes to NaN).
+    return Recipe(
+        format=DYNAMIC8,
+        group=FlatBlocks(block_size),
+        scale_form="step",
+        nonfinite="nan",
+    )
+
+
 def quantize_blockwise(x: jax.Array, block_size: int) -> BlockQuantized:
     """Block-wise absmax quantization of ``x`` to the dynamic map's 8-bit codes.
 
@@ -203,16 +208,9 @@ def quantize_blockwise(x: jax.Array, block_size: int) -> BlockQuantized:
     Returns:
         :class:`BlockQuantized` with ``codes`` of ``x``'s shape.
     """
-    blocks = _blocks(x.astype(jnp.float32), block_size)
-    scales = jnp.max(jnp.abs(blocks), axis=1)
-    safe = jnp.where(scales > 0, scales, jnp.float32(1))
-    idx = _nearest_code(blocks / safe[:, None])
-    codes = (idx - 128).astype(jnp.int8).reshape(-1)[: x.size].reshape(x.shape)
-    return BlockQuantized(codes, scales)
+    return BlockQuantized(*_quantize(x.astype(jnp.float32), _recipe(block_size)))
 
 
 def dequantize_blockwise(q: BlockQuantized, block_size: int) -> jax.Array:
     """Float32 values of a :class:`BlockQuantized` buffer (its codes' shape)."""
-    vals = code_values(q.codes.astype(jnp.int32) + 128)
-    blocks = _blocks(vals, block_size) * q.scales[:, None]
-    return blocks.reshape(-1)[: q.codes.size].reshape(q.codes.shape)
+    return _dequantize(q.codes, q.scales, _recipe(block_size))

@@ -524,7 +524,7 @@ def dynamic_scale_grad(
 
     Example::
 
-        grad_fn = jax.jit(jaxamp.dynamic_scale_grad(amp_loss))
+        grad_fn = jax.jit(jaxamp.training.dynamic_scale_grad(amp_loss))
         state, grads = grad_fn(model, x, y, dynamic_scaler_state=state)
 
     Args:

@@ -3,8 +3,9 @@
 Sub-jaxprs are rewritten by re-tracing the interpreter over their avals, and
 the same primitive is re-bound with the new jaxpr, so shardings, donation,
 layouts, remat policies and any parameter JAX adds later stay valid. Rewrites
-are cached per (sub-jaxpr, policy, compute dtype, scopes, signature): a jitted
-layer called N times is rewritten once.
+are cached per (sub-jaxpr, policy value, compute dtype, scopes, signature): a
+jitted layer called N times is rewritten once, and once for every ``amp`` that
+wraps it with an equal policy.
 
 * ``jit``/``pjit``/``closed_call``/``remat2``: dtypes flow through, as if the
   body were inlined (see :func:`_call`).
@@ -19,12 +20,16 @@ layer called N times is rewritten once.
 A primitive with sub-jaxprs that is not registered here (e.g. ``pallas_call``)
 runs unchanged, with its inputs restored to their traced dtypes.
 
-Each registration also gives the primitive's description
-(``_base/_structure.py``: which operands feed which sub-jaxpr inputs, carries,
-trip count, how to evaluate it), which the value facts, the scan-input hoist,
-``find_overflows``, the FLOP counter and the quantization report read, and,
-for ``scan``, its carries' entry in the default policy. Adding a higher-order
-primitive is one ``register_higher_order`` call here.
+Each registration is one entry of the registry in ``_base/_structure.py``:
+the rewrite rule, the primitive's description (which operands feed which
+sub-jaxpr inputs, carries, trip count, what kind of call it is, how to
+evaluate it) and, for ``scan``, its carries' entry in the default policy.
+The walk, the policies, the value facts, the scan-input hoist,
+``find_overflows``, the FLOP counter, the reports, the chunked optimizer and
+the attention matcher read it there when they run. Adding a higher-order
+primitive is one ``register_higher_order`` call (``_register.py``; the
+built-in ones here, or in user code); :func:`unregister_higher_order` removes
+one.
 """
 
 from __future__ import annotations
@@ -43,15 +48,7 @@ from .. import _compat
 from .._base import _state, _structure
 from .._base._cast import cast, cast_cache, narrow_sources, restore
 from .._base._dtypes import dtype_of
-from .._base._structure import (
-    DESCRIPTIONS,
-    HigherOrder,
-    Run,
-    Structure,
-    SubJaxpr,
-    describe_call,
-    run_once,
-)
+from .._base._structure import Structure, SubJaxpr, describe_call
 from .._policy._checkpoint import offloads, policy_cases, store_checkpoint
 from .._policy._compressed import (
     is_held,
@@ -59,90 +56,33 @@ from .._policy._compressed import (
     stash_format,
     store_compressed,
 )
-from .._policy._rules import Rule, default_amp_policy, narrow_bfloat16_carries
+from .._policy._lookup import AmpPolicy
+from .._policy._rules import narrow_bfloat16_carries
 from .._policy._stash import compressible
 from .._values import _facts
 from ._loop import (
     AmpContext,
-    HigherOrderRule,
     check_rule_result,
+    decide,
     eval_jaxpr,
     restore_inputs,
+    rule_context,
     run_unchanged,
 )
+from ._register import higher_order_rules as higher_order_rules
+from ._register import register_higher_order as register_higher_order
+from ._register import unregister_higher_order as unregister_higher_order
 from ._scan_hoist import loop_casts, with_dtypes, without_casts
 
-# The default table: primitive name -> rule. ``amp`` hands it to the
-# interpreter (``_loop.Pipeline``); rules registered later apply too.
-higher_order_rules: dict[str, HigherOrderRule] = {}
-
-# sub-jaxpr -> {context key: rewritten jaxpr}. Keyed weakly by the jaxpr object:
-# jit caches its traces, so one jitted layer called N times is rewritten once.
+# sub-jaxpr -> {context key: (rewritten jaxpr, recorder)}. Keyed weakly by the
+# jaxpr object (jit caches its traces, so one jitted layer called N times is
+# rewritten once) and by the policy's value (AmpPolicy.value_key: amp wrapping
+# it again with an equal policy reuses the rewrite). The recorder is the copy
+# of the policy (the policy itself where it is keyed by identity) that the
+# rewrite is traced under and that its rules traced later keep (a custom_jvp's
+# jvp under jax.grad): what it is asked is replayed into the policy of each
+# use, so warn_unmatched warns as for a rewrite of its own.
 _REWRITES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def register_higher_order(
-    *names: str,
-    describe: Callable[[Any], Structure | None] | None = None,
-    run: Run | None = run_once,
-    default_rule: Rule | None = None,
-) -> Callable[[HigherOrderRule], HigherOrderRule]:
-    """Register ``rule(eqn, invals, ctx) -> outvals`` for primitive ``names``,
-    and the description every other pass reads.
-
-    With ``describe``, the value-facts pass, the scan-input hoist,
-    :func:`jaxamp.find_overflows`, the FLOP counter and the quantization
-    report see through the primitive (``jaxamp._base._structure``); without
-    it they treat it as opaque (operands reach a matmul, it is bound as it
-    is, its sub-jaxprs run once).
-
-    Args:
-        *names: one or more primitive names (``eqn.primitive.name``, e.g.
-            ``"my_call"``).
-        describe: ``describe(eqn) -> Structure | None``: which operands feed
-            which sub-jaxpr inputs, carries, trip count
-            (:class:`jaxamp._base._structure.Structure`);
-            :func:`describe_call` for a primitive whose one sub-jaxpr takes
-            the equation's operands and gives its outputs.
-        run: ``run(eqn, invals, eval_sub) -> outputs``, the equation evaluated
-            concretely with each sub-jaxpr evaluated by ``eval_sub(jaxpr,
-            args)`` (for ``find_overflows``); the default runs each sub-jaxpr
-            once on the operands ``describe`` names; None binds the primitive
-            as it is. Ignored without ``describe``.
-        default_rule: a rule that :data:`jaxamp.default_amp_policy` maps the
-            names to (the rewrite rule looks it up in the policy, e.g. a
-            loop's carry dtypes), or None.
-
-    Returns:
-        A decorator that registers ``rule`` and returns it unchanged.
-
-    Raises:
-        TypeError: if no name is given, a name is not a string, or
-            ``describe``, ``run`` or ``default_rule`` is not callable.
-    """
-    if not names or not all(isinstance(n, str) for n in names):
-        raise TypeError(
-            f"register_higher_order(*names): give primitive names as strings, "
-            f"e.g. register_higher_order('my_call')(rule); got {names!r}."
-        )
-    given = {"describe": describe, "run": run, "default_rule": default_rule}
-    for arg, value in given.items():
-        if value is not None and not callable(value):
-            raise TypeError(
-                f"register_higher_order({arg}=...): give a function or None, got "
-                f"{type(value).__name__}."
-            )
-
-    def register(rule: HigherOrderRule) -> HigherOrderRule:
-        for name in names:
-            higher_order_rules[name] = rule
-            if describe is not None:
-                DESCRIPTIONS[name] = HigherOrder(describe, run)
-            if default_rule is not None:
-                default_amp_policy[name] = default_rule
-        return rule
-
-    return register
 
 
 FREE = "free"  # out_dtypes: outputs keep whatever dtype the rewritten body gives
@@ -179,11 +119,28 @@ def rewrite_jaxpr(
     edge = _facts.current_facts().boundary_for(jaxpr)
     state = _state.current()
     modes = (state.recomputed, state.stash_off)
+    # The registry's generation: a rewrite made before a higher-order primitive
+    # was (un)registered is not served after it.
     key = (ctx.key, in_dtypes, out_dtypes, held, edge, modes, widened)
+    key += (_structure.generation(),)
     if key not in per_jaxpr:
-        new = _retrace(jaxpr, ctx, in_dtypes, out_dtypes, held, edge, widened)
-        per_jaxpr[key] = _compat.like(jaxpr, new)
-    return per_jaxpr[key]
+        # Shared by equal policies (keyed by value, not by the policy itself):
+        # traced under a copy, which records what it is asked, also by the
+        # rules traced later (a custom_jvp's jvp under jax.grad).
+        shared = key[0][0] is not ctx.policy
+        recorder = AmpPolicy(ctx.policy) if shared else ctx.policy
+        own = dataclasses.replace(ctx, policy=recorder)
+        new = _retrace(jaxpr, own, in_dtypes, out_dtypes, held, edge, widened)
+        per_jaxpr[key] = (_compat.like(jaxpr, new), recorder)
+    rewritten, recorder = per_jaxpr[key]
+    ctx.policy.replay(recorder)
+    # A rule traced later under another amp's walk with an equal policy (JAX
+    # reuses the rule's trace for it): that amp's policy records it too.
+    walking = state.policy
+    if walking is not None and walking is not ctx.policy:
+        if walking.value_key == key[0][0]:
+            walking.replay(recorder)
+    return rewritten
 
 
 def _retrace(
@@ -411,11 +368,8 @@ def _scan(eqn: Any, invals: list, ctx: AmpContext) -> Any:
     invals = restore_inputs(eqn, invals)
     carry_vars = eqn.invars[n_consts : n_consts + n_carry]
     rule = ctx.policy.lookup(eqn.primitive, ctx.scopes)
-    result = rule(
-        ctx.compute_dtype,
-        [v.aval.dtype for v in carry_vars],
-        *invals[n_consts : n_consts + n_carry],
-    )
+    rc = rule_context(ctx, [v.aval.dtype for v in carry_vars], ctx.scopes, ctx.facts)
+    result = decide(rule, rc, *invals[n_consts : n_consts + n_carry])
     carry, _ = check_rule_result(result, eqn.primitive, rule, n_carry)
     dtypes = tuple(
         None if getattr(c, "dtype", None) == v.aval.dtype else c.dtype

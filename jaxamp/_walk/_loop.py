@@ -34,6 +34,8 @@ from .. import _compat
 from .._base import _state
 from .._base._cast import cast_cache, restore, widen
 from .._base._jaxpr import read, write
+from .._policy._compressed import stash_format
+from .._policy._context import RuleContext
 from .._policy._kinds import ImplementationRule
 from .._policy._lookup import AmpPolicy
 from .._values import _facts
@@ -145,17 +147,20 @@ class AmpContext:
     policy: AmpPolicy
     pipeline: Pipeline
     scopes: tuple[str, ...] = ()
+    facts: Any = None
 
-    def inside(self, scopes: tuple[str, ...]) -> AmpContext:
-        """The context for a sub-jaxpr of an equation with scope ``scopes``."""
-        if scopes == self.scopes:
+    def inside(self, scopes: tuple[str, ...], facts: Any = None) -> AmpContext:
+        """The context of a higher-order equation with scope ``scopes`` and
+        value facts ``facts`` (an ``EqnFacts``), for its rule and sub-jaxprs."""
+        if scopes == self.scopes and facts is self.facts:
             return self
-        return dataclasses.replace(self, scopes=scopes)
+        return dataclasses.replace(self, scopes=scopes, facts=facts)
 
     @property
     def key(self) -> tuple:
-        """Cache key of a sub-jaxpr rewrite under this context."""
-        return (self.policy, self.compute_dtype, self.scopes, self.pipeline)
+        """Cache key of a sub-jaxpr rewrite under this context: the policy by
+        its value (``AmpPolicy.value_key``), the pipeline by identity."""
+        return (self.policy.value_key, self.compute_dtype, self.scopes, self.pipeline)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -300,11 +305,11 @@ def _run_eqn(eqn: Any, eqn_facts: Any, env: dict, ctx: AmpContext) -> None:
     with where, _compat.eqn_context(eqn):
         hop = ctx.pipeline.higher_order.get(eqn.primitive.name)
         if hop is not None:
-            outs = hop(eqn, invals, ctx.inside(scopes))
+            outs = hop(eqn, invals, ctx.inside(scopes, eqn_facts))
         elif any(True for _ in _compat.sub_jaxprs(eqn.params)):
             outs = run_unchanged(eqn, invals)
         else:
-            outs = _apply_rule(eqn, invals, ctx, scopes)
+            outs = _apply_rule(eqn, invals, ctx, scopes, eqn_facts)
     write(env, eqn, outs)
 
 
@@ -322,13 +327,13 @@ def restore_inputs(eqn: Any, invals: list) -> list:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class RuleCall:
-    """One equation's rule, ready to decide its inputs and bind."""
+    """One equation's rule, ready to decide its inputs and bind; ``context``:
+    what the rule is told about the equation."""
 
     prim: Any
     rule: Callable
     params: dict
-    original: list
-    compute_dtype: np.dtype
+    context: RuleContext
     binder: Bind = _compat.bind
 
     @property
@@ -336,9 +341,19 @@ class RuleCall:
         """The primitive's name."""
         return self.prim.name
 
+    @property
+    def original(self) -> tuple:
+        """The equation's traced input dtypes."""
+        return self.context.original_dtypes
+
+    @property
+    def compute_dtype(self) -> np.dtype:
+        """amp's compute dtype."""
+        return self.context.compute_dtype
+
     def decide(self, *vals: Any) -> tuple[list, dict]:
         """The rule's ``(inputs, bind params)`` for ``vals``, validated."""
-        result = self.rule(self.compute_dtype, self.original, *vals, **self.params)
+        result = decide(self.rule, self.context, *vals, **self.params)
         return check_rule_result(result, self.prim, self.rule, len(vals))
 
     def bind(self, new_params: dict, *new_in: Any) -> Any:
@@ -351,15 +366,40 @@ class RuleCall:
         return self.bind(new_params, *new_in)
 
 
-def _apply_rule(eqn: Any, invals: list, ctx: AmpContext, scopes: tuple) -> Any:
+def decide(rule: Callable, ctx: RuleContext, *invars: Any, **params: Any) -> Any:
+    """``rule``'s result for the equation ``ctx`` describes: a typed rule
+    (``_policy/_kinds.py``) takes the context, a plain function jaxamp 0.0.4's
+    ``(compute_dtype, original_dtypes)``."""
+    typed = getattr(rule, "decide", None)
+    if typed is not None:
+        return typed(ctx, *invars, **params)
+    return rule(ctx.compute_dtype, list(ctx.original_dtypes), *invars, **params)
+
+
+def rule_context(
+    ctx: AmpContext, original: Sequence[Any], scopes: tuple, facts: Any
+) -> RuleContext:
+    """The :class:`RuleContext` of an equation walked under ``ctx``."""
+    return RuleContext(
+        compute_dtype=ctx.compute_dtype,
+        original_dtypes=tuple(original),
+        facts=_facts.UNKNOWN if facts is None else facts,
+        scopes=scopes,
+        policy=ctx.policy,
+        residual_format=stash_format(),
+        recomputed=_state.current().recomputed,
+    )
+
+
+def _apply_rule(eqn, invals: list, ctx: AmpContext, scopes: tuple, facts) -> Any:
     prim = eqn.primitive
     rule = ctx.policy.lookup(prim, scopes)
     params = _compat.bind_params(prim, eqn.params)
-    original = [v.aval.dtype for v in eqn.invars]
+    rc = rule_context(ctx, [v.aval.dtype for v in eqn.invars], scopes, facts)
     if isinstance(rule, ImplementationRule):  # runs the equation itself
-        return rule(ctx.compute_dtype, original, *invals, **params)
+        return rule.decide(rc, *invals, **params)
     pipeline = ctx.pipeline
-    call = RuleCall(prim, rule, params, original, ctx.compute_dtype, pipeline.bind)
+    call = RuleCall(prim, rule, params, rc, pipeline.bind)
     if rule is ctx.policy.stop_rule or pipeline.residuals is None:
         return call.apply(*invals)  # amp_stop regions stay as traced
     return pipeline.residuals(call, invals, pipeline.off)

@@ -190,7 +190,10 @@ def _replay(core: Any, consts: list, args: Any, narrowed: set) -> list:
         sub_core, sub_consts = _compat.jaxpr_parts(eqn.params[name])
         sub = {v for v, h in zip(sub_core.invars, hit) if h}
         if _only_recasts(eqn, sub_core, sub):
-            return _replay(sub_core, sub_consts, invals, sub)
+            # Under the checkpoint's name stack: the inlined equations keep
+            # the user's named_scope path (their own is relative to it).
+            with _compat.eqn_context(eqn):
+                return _replay(sub_core, sub_consts, invals, sub)
         dtypes = tuple(x.dtype if h else None for x, h in zip(invals, hit))
         params = {**eqn.params, name: without_casts(eqn.params[name], dtypes)}
         if params[name] is None:

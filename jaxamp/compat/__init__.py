@@ -1,18 +1,27 @@
-"""Migration namespaces: jmp's, mpx's and Haliax's names on jaxamp's pieces.
+"""Deprecated: the migration namespaces are :mod:`jaxamp.migration`.
 
-A port is an import change::
-
-    from jaxamp.compat import jmp      # was: import jmp
-    from jaxamp.compat import mpx      # was: import mpx
-    from jaxamp.compat import haliax   # was: haliax's mixed-precision names
-
-Each namespace holds that library's public names (those jaxamp ports) and
-nothing else; ``docs/migration.md`` lists them with the deliberate
-differences. With :func:`jaxamp.amp` none of these hand casts are needed.
+``from jaxamp.compat import jmp`` (and ``mpx``, ``haliax``) keeps working for
+one release and warns with a ``DeprecationWarning`` naming
+``jaxamp.migration``; the names are the same objects.
 """
 
-from . import haliax as haliax
-from . import jmp as jmp
-from . import mpx as mpx
+import importlib
+import warnings
 
-__all__ = ("haliax", "jmp", "mpx")
+_MOVED = ("haliax", "jmp", "mpx")
+
+
+def __getattr__(name: str):
+    if name not in _MOVED:
+        raise AttributeError(f"module 'jaxamp.compat' has no attribute {name!r}")
+    warnings.warn(
+        f"jaxamp.compat.{name} is deprecated: use jaxamp.migration.{name} "
+        f"(from jaxamp.migration import {name}).",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return importlib.import_module(f"jaxamp.migration.{name}")
+
+
+def __dir__() -> list[str]:
+    return sorted(_MOVED)

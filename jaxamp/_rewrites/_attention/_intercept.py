@@ -18,6 +18,7 @@ import jax
 
 from ... import _compat
 from ..._base._dtypes import is_float
+from ..._base._structure import plain_call
 
 _MARK = "jaxamp_attention__"
 
@@ -247,11 +248,10 @@ def unpack(spec: Spec, arrays) -> tuple:
 
 def marked_spec(eqn: Any) -> Spec | None:
     """The :class:`Spec` of an intercepted ``dot_product_attention`` call
-    (a ``jit`` equation carrying the mark in its name), or None."""
-    if eqn.primitive.name not in ("jit", "pjit"):
-        return None
+    (a ``jit`` equation, a plain call of the higher-order registry, carrying
+    the mark in its name), or None."""
     name = str(eqn.params.get("name", ""))
-    if not name.startswith(_MARK):
+    if not name.startswith(_MARK) or plain_call(eqn) is None:
         return None
     try:
         spec = _SPECS[int(name[len(_MARK) :])]

@@ -22,6 +22,7 @@ import numpy as np
 
 from ... import _compat
 from ..._base._dtypes import is_float
+from ..._base._structure import plain_call
 from ._intercept import Spec, marked_spec
 from ._kernels import run_hand, run_marked
 from ._rule import mode as policy_mode
@@ -260,7 +261,7 @@ def _bias_or_mask(g: _Graph, e: Any, x: Any, pieces: _Pieces) -> bool:
             return False
         pieces.mask = (*_peel_broadcasts(g, mask[0]), mask[1])
         return True
-    if name in ("jit", "pjit") and pieces.mask is None:
+    if pieces.mask is None and plain_call(e) is not None:
         mask = _where_jit_mask(g, e, x)
         if mask is None:
             return False
@@ -432,7 +433,7 @@ def _where_jit_mask(g: _Graph, e: Any, x: Any):
     broadcasts the mask and the fill and selects (no transposes of ``x``)."""
     if str(e.params.get("name")) != "_where" or len(e.outvars) != 1:
         return None
-    core, consts = _compat.jaxpr_parts(e.params["jaxpr"])
+    core, consts = _compat.jaxpr_parts(plain_call(e))
     if consts or len(core.eqns) == 0:
         return None
     names = [q.primitive.name for q in core.eqns]

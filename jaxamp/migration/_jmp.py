@@ -95,8 +95,9 @@ def set_half_precision_datatype(datatype: Any) -> None:
     """mpx's ``set_half_precision_datatype`` (``mpx/_dtypes.py``, 0.1.8).
 
     Sets the process-wide dtype of :func:`cast_to_half_precision` and of the
-    argument casts of :func:`jaxamp.filter_grad` /
-    :func:`jaxamp.filter_value_and_grad`. mpx ignores a string argument (its
+    argument casts of :func:`jaxamp.migration.mpx.filter_grad` /
+    :func:`jaxamp.migration.mpx.filter_value_and_grad`. mpx ignores a string argument
+    (its
     code sets the dtype only for a dtype object); jaxamp applies it.
 
     Args:

@@ -4,13 +4,16 @@ Mirrors Haliax's ``haliax/_src/mixed_precision.py`` and the mixed precision part
 of ``haliax/_src/resource_env.py`` (stanford-crfm/haliax): a dtype may be named
 by its role, ``"compute"``, ``"param"`` or ``"output"``, and is resolved against
 a policy: the one passed, else the current one (``with
-jaxamp.mixed_precision(...)``, Haliax's ``with hax.resource_env(mp=...)``).
+jaxamp.migration.haliax.mixed_precision(...)``, Haliax's ``with
+hax.resource_env(mp=...)``).
 
 Outside every block, :func:`cast_floating`, :func:`resolve_dtype` and
 :meth:`SemanticDType.to_dtype` resolve against an all-float32 policy, as
-Haliax's default ``ResourceEnv`` does; :func:`jaxamp.current_policy` returns
+Haliax's default ``ResourceEnv`` does; :func:`jaxamp.migration.haliax.current_policy`
+returns
 None there, and a semantic name given where jaxamp takes a dtype
-(``jaxamp.cast_tree(x, "compute")``, ``amp(compute_dtype="compute")``) raises
+(``jaxamp.migration.mpx.cast_tree(x, "compute")``, ``amp(compute_dtype="compute")``)
+raises
 instead of silently meaning float32.
 """
 
@@ -51,9 +54,10 @@ class SemanticDType(str, enum.Enum):
         """The dtype this role has in ``policy``.
 
         Args:
-            policy: a :class:`jaxamp.Policy` or policy string; None: the
+            policy: a :class:`jaxamp.migration.jmp.Policy` or policy string; None: the
                 current policy, or all-float32 outside every
-                :func:`jaxamp.mixed_precision` block (Haliax's default).
+                :func:`jaxamp.migration.haliax.mixed_precision` block (Haliax's
+                default).
 
         Returns:
             A NumPy float dtype.
@@ -85,8 +89,10 @@ def resolve_dtype(dtype: DTypeish, policy: Policy | str | None = None) -> np.dty
         dtype: a float dtype or name, or a semantic dtype (``"compute"``,
             ``"param"`` / ``"parameter"``, ``"output"``, :class:`SemanticDType`).
         policy: the policy a semantic dtype is resolved against (a
-            :class:`jaxamp.Policy` or string); None: the current policy, or
-            all-float32 outside every :func:`jaxamp.mixed_precision` block.
+            :class:`jaxamp.migration.jmp.Policy` or string); None: the current policy,
+            or
+            all-float32 outside every :func:`jaxamp.migration.haliax.mixed_precision`
+            block.
 
     Returns:
         A NumPy float dtype.
@@ -109,18 +115,20 @@ def cast_floating(
 
     Example::
 
-        with jaxamp.mixed_precision("p=f32,c=bf16,o=f32"):
-            h = jaxamp.cast_floating(x, "compute")        # bfloat16
-        jaxamp.cast_floating(x, "compute")                # float32 outside
-        jaxamp.cast_floating(x, "compute", "c=f16")       # float16
+        from jaxamp.migration import haliax
+
+        with haliax.mixed_precision("p=f32,c=bf16,o=f32"):
+            h = haliax.cast_floating(x, "compute")        # bfloat16
+        haliax.cast_floating(x, "compute")                # float32 outside
+        haliax.cast_floating(x, "compute", "c=f16")       # float16
 
     Args:
         tree: any pytree; integer, boolean, complex, PRNG-key and non-array
-            leaves are returned unchanged (see :func:`jaxamp.cast_tree`).
+            leaves are returned unchanged (see :func:`jaxamp.migration.mpx.cast_tree`).
         dtype: a :data:`DTypeish`, or None to return ``tree`` as it is.
         policy: the policy semantic dtypes resolve against (Haliax's ``mp``
             argument); None: the current policy, or all-float32 outside every
-            :func:`jaxamp.mixed_precision` block, as Haliax's default.
+            :func:`jaxamp.migration.haliax.mixed_precision` block, as Haliax's default.
 
     Returns:
         A pytree of ``tree``'s structure.
@@ -138,7 +146,8 @@ def mixed_precision(policy: Policy | str | None) -> Any:
     """Make ``policy`` the current policy for a ``with`` block (Haliax's
     ``with hax.resource_env(mp=...)``).
 
-    Inside the block, :func:`jaxamp.current_policy` returns it, semantic dtype
+    Inside the block, :func:`jaxamp.migration.haliax.current_policy` returns it,
+    semantic dtype
     names (``"compute"``, ``"param"``, ``"output"``) resolve against it wherever
     jaxamp takes a dtype, and :func:`jaxamp.amp` without an explicit
     ``compute_dtype`` uses its compute dtype. Blocks nest (the innermost wins;
@@ -151,16 +160,16 @@ def mixed_precision(policy: Policy | str | None) -> Any:
 
     Example::
 
-        with jaxamp.mixed_precision("p=f32,c=bf16,o=f32") as policy:
-            y = layer(jaxamp.cast_floating(x, "compute"))
+        with jaxamp.migration.haliax.mixed_precision("p=f32,c=bf16,o=f32") as policy:
+            y = layer(jaxamp.migration.haliax.cast_floating(x, "compute"))
 
     Args:
-        policy: a :class:`jaxamp.Policy`, a string in jmp's grammar
+        policy: a :class:`jaxamp.migration.jmp.Policy`, a string in jmp's grammar
             (``"p=f32,c=bf16,o=f32"``, ``"c=bf16"``, ``"bf16"``), or None.
 
     Returns:
         A context manager whose ``__enter__`` returns the parsed
-        :class:`jaxamp.Policy` (or None).
+        :class:`jaxamp.migration.jmp.Policy` (or None).
 
     Raises:
         ValueError: if ``policy`` is a string that does not parse (raised here,

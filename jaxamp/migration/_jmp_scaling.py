@@ -1,5 +1,5 @@
 """jmp's loss scales (``jmp/_src/loss_scale.py``, commit 9c1cdbbf78da) as
-jaxamp scaler states, so ``from jaxamp.compat import jmp`` ports jmp code.
+jaxamp scaler states, so ``from jaxamp.migration import jmp`` ports jmp code.
 
 Each class is a :class:`jaxamp.DynamicScalerState` or
 :class:`jaxamp.StaticScalerState` with jmp's constructor and attribute names:

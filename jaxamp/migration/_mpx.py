@@ -3,7 +3,7 @@ the filtered, loss-scaled gradient transforms.
 
 Mirrors mixed-precision-for-jax 0.1.8 (``mpx/_cast.py``,
 ``mpx/_loss_scaling.py``, ``mpx/_grad_tools.py``). The loss scaling runs on
-:class:`jaxamp.DynamicScalerState` and :func:`jaxamp.dynamic_scale_grad` /
+:class:`jaxamp.DynamicScalerState` and :func:`jaxamp.training.dynamic_scale_grad` /
 :func:`jaxamp.dynamic_scale_value_and_grad`; where mpx's results differ from
 what it documents (gradients unscaled with the adjusted scale, a string ignored
 by ``set_half_precision_datatype``), jaxamp returns what is documented, and
@@ -142,7 +142,8 @@ def force_full_precision(fn: Callable, return_dtype: Any = None) -> Callable:
         ValueError: if ``return_dtype`` is not a float dtype.
 
     Warns:
-        UserWarning: as :func:`jaxamp.cast_function`, when ``return_dtype`` is
+        UserWarning: as :func:`jaxamp.migration.mpx.cast_function`, when
+        ``return_dtype`` is
             given and the result is neither a tuple nor an array.
     """
     if not callable(fn):
@@ -172,9 +173,9 @@ def mpx_force_full_precision(
 ) -> Callable:
     """mpx's ``force_full_precision`` (``mpx/_cast.py``): ``func`` runs in
     float32 and its float outputs are cast to ``return_dtype``, float16 by
-    default as in mpx (``jaxamp.compat.mpx.force_full_precision``).
+    default as in mpx (``jaxamp.migration.mpx.force_full_precision``).
 
-    :func:`jaxamp.force_full_precision` is the same with outputs left in
+    :func:`jaxamp.migration.mpx.force_full_precision` is the same with outputs left in
     float32 unless ``return_dtype`` is given.
 
     Args:
@@ -279,9 +280,9 @@ ScalerState = DynamicScalerState | StaticScalerState
 def _check_scaling(caller: str, scaling: Any) -> None:
     if not isinstance(scaling, (DynamicScalerState, StaticScalerState)):
         raise TypeError(
-            f"{caller}: scaling must be a jaxamp.DynamicLossScaling, "
+            f"{caller}: scaling must be a jaxamp.migration.mpx.DynamicLossScaling, "
             "DynamicScalerState or StaticScalerState, got "
-            f"{type(scaling).__name__}; e.g. jaxamp.DynamicLossScaling("
+            f"{type(scaling).__name__}; e.g. jaxamp.migration.mpx.DynamicLossScaling("
             "loss_scaling=jnp.float32(2**15), min_loss_scaling=jnp.float32(1))."
         )
 
@@ -330,10 +331,11 @@ def filter_grad(
     use_mixed_precision: bool = True,
 ) -> Callable:
     """Loss-scaled ``eqx.filter_grad`` with mpx's call shape and results
-    (``mpx/_grad_tools.py``), on :func:`jaxamp.dynamic_scale_grad`.
+    (``mpx/_grad_tools.py``), on :func:`jaxamp.training.dynamic_scale_grad`.
 
     With ``use_mixed_precision``, the float arguments are cast to the
-    half-precision dtype (:func:`jaxamp.set_half_precision_datatype`, float16
+    half-precision dtype (:func:`jaxamp.migration.mpx.set_half_precision_datatype`,
+    float16
     by default), the loss is scaled, the gradients of the first argument's
     inexact arrays are unscaled in float32 **by the scale that produced them**
     (mpx divides by the adjusted scale, which halves the gradients on every

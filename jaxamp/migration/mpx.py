@@ -1,6 +1,6 @@
 """mpx's names (``import mpx``, mixed-precision-for-jax 0.1.8).
 
-``from jaxamp.compat import mpx`` ports mpx code with one import change:
+``from jaxamp.migration import mpx`` ports mpx code with one import change:
 casts, ``force_full_precision`` (outputs in float16 by default, as mpx),
 ``DynamicLossScaling``, ``filter_grad``, ``filter_value_and_grad``,
 ``optimizer_update``, ... (``docs/migration.md``, "mpx -> jaxamp"); also

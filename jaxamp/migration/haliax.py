@@ -1,7 +1,7 @@
 """Haliax's mixed-precision names (``haliax/_src/mixed_precision.py``,
 ``haliax/_src/resource_env.py``).
 
-``from jaxamp.compat import haliax`` gives semantic dtypes and the current
+``from jaxamp.migration import haliax`` gives semantic dtypes and the current
 policy: ``haliax.cast_floating(x, "compute")``, ``with
 haliax.mixed_precision("p=f32,c=bf16,o=f32"):`` (Haliax's
 ``hax.resource_env(mp=...)``), ``haliax.current_mp_policy()``

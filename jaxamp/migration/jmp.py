@@ -1,6 +1,6 @@
 """jmp's names (``import jmp``, commit 9c1cdbbf78da, release 0.0.4).
 
-``from jaxamp.compat import jmp`` ports jmp code with one import change:
+``from jaxamp.migration import jmp`` ports jmp code with one import change:
 ``jmp.get_policy``, ``jmp.Policy``, ``jmp.DynamicLossScale``,
 ``jmp.all_finite``, ... (``docs/migration.md``, "jmp -> jaxamp").
 """
