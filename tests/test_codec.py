@@ -71,7 +71,7 @@ def test_a_registered_format_is_an_amp_matmul_policy(e3m4):
     assert len(dots) == 6
     assert all(v.aval.dtype == E3M4 for e in dots for v in e.invars[:2])
     assert all(e3m4.scope in _compat.scope_names(e) for e in dots)
-    assert e3m4.scope == "amp_e3m4_matmul"
+    assert e3m4.scope == "jaxamp_e3m4_matmul"
     # Close to float32: 4 mantissa bits (2**-5 relative rounding) with one
     # per-tensor scale; measured 0.05% (loss) and 2.6% / 1.8% (gradients;
     # bfloat16 amp: 0.03%, 0.5% / 0.3%).
@@ -146,9 +146,9 @@ def test_the_builtin_formats_are_registered_values():
     assert _formats.lookup("fp8") is _formats.lookup(jnp.float8_e4m3fn)
     assert _formats.E4M3.grad_format is _formats.E5M2
     assert [f.scope for f in (_formats.INT8, _formats.E4M3, _formats.E5M2)] == [
-        "amp_int8_matmul",
-        "amp_fp8_matmul",
-        "amp_fp8_matmul",
+        "jaxamp_int8_matmul",
+        "jaxamp_fp8_matmul",
+        "jaxamp_fp8_matmul",
     ]
     assert (_formats.INT8.bound, _formats.E4M3.bound, _formats.E5M2.bound) == (
         127.0,

@@ -357,7 +357,7 @@ def scan_grad(residual_dtype):
 @pytest.mark.parametrize(
     "residual_dtype,stored",
     # stored: the stacked [L, B, D] activations the forward loop saves. Without
-    # compression: 5 bf16. FP8 keeps products' inputs in bf16 (_stash.Format
+    # compression: 5 bf16. FP8 keeps products' inputs in bf16 (_residual_format.Format
     # .stores_products) and stores gelu's input in E4M3; int8 stores both.
     [(None, {"bf16": 5}), (jnp.float8_e4m3fn, {"bf16": 1, "f8e4m3fn": 1})]
     + [("int8", {"s8": 2})],

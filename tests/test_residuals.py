@@ -1,6 +1,6 @@
 """Compressed residuals: ``amp(residual_dtype=...)`` and ``residual_rule``.
 
-The stored form (``_policy/_stash.py``), what the backward pass saves (JAX's
+The stored form (``_policy/_residual_format.py``), what the backward pass saves (JAX's
 saved-residuals listing), gradients against float32 under ``jax.jit``, the
 higher-order primitives, per-scope policies, bad input, and the must-show
 figures on the scanned GPT of ``benchmarks/run.py`` (size S).
@@ -18,7 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 import jaxamp
 from jaxamp import _compat
 from jaxamp._policy._checkpoint import EXACT_INPUT, STORED_PRODUCT
-from jaxamp._policy._stash import Format, compressible, decode, encode
+from jaxamp._policy._residual_format import Format, compressible, decode, encode
 from tests.helpers import TINY_CHARLM, rel_l2, round_bf16
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -114,7 +114,7 @@ def mlp(w1, w2, x):
 
 
 @pytest.mark.parametrize("dtype", [E4M3, E5M2, "int8"])
-def test_one_stash_only_8_bit_values_and_scales(dtype):
+def test_one_residual_code_only_8_bit_values_and_scales(dtype):
     args = _mlp_params()
     f = jaxamp.amp(mlp, compute_dtype=BF16, residual_dtype=dtype)
     saved = _saved(f, *args)

@@ -296,7 +296,7 @@ def test_reports_give_one_scope_string_per_equation(loss, path):
     [
         (("jaxamp.amp", "mlp", "bi,ij->bj", "jaxamp_recast"), "mlp"),
         (("model", "layer0", "model", "layer0", "mlp"), "model/layer0/mlp"),
-        (("a", "a", "rematted_computation", "b", "amp_int8_matmul"), "a/b"),
+        (("a", "a", "rematted_computation", "b", "jaxamp_int8_matmul"), "a/b"),
         (("jaxamp.amp",), ""),
     ],
 )

@@ -10,7 +10,7 @@ Its callers differ only in their recipes:
 * int8 matmul operands (``_quant/_int8.py``): one scale per row along the
   contracting dims (AQT, qwix, torchao), stochastic rounding of gradients; a
   non-finite row gets a NaN scale;
-* stored residuals (``_policy/_stash.py``): 1 x G groups along the last axis,
+* stored residuals (``_policy/_residual_format.py``): 1 x G groups along the last axis,
   a step ``x ~= q * scale`` (DeepSeek-V3's tiles);
 * 8-bit optimizer state (``_training/_rounding.py``): blocks of the flattened
   array, codes of bitsandbytes' dynamic map (a code-table format).

@@ -105,7 +105,7 @@ class QFormat:
     @property
     def scope(self) -> str:
         """The ``jax.named_scope`` marker around this format's matmuls."""
-        return f"amp_{self.label}_matmul"
+        return f"jaxamp_{self.label}_matmul"
 
     @property
     def grad_format(self) -> QFormat:

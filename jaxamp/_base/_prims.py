@@ -23,3 +23,15 @@ DATA_MOVEMENT = frozenset(
     """broadcast_in_dim concatenate copy copy_p dynamic_slice expand_dims pad
     reshape slice squeeze transpose""".split()
 )
+
+# Exponentials: exp turns an absolute error of its input into a relative error
+# of its output (a softmax's probabilities), so their inputs are never stored in
+# 8 bits (exp stores its output, its derivative).
+EXPONENTIALS = frozenset({"exp", "exp2", "expm1", "logistic"})
+
+# Choices: their derivative routes the cotangent by comparing input values
+# (which element is the largest, the sort order); recomputed from rounded values
+# the choice could change.
+CHOOSERS = frozenset(
+    """argmax argmin cummax cummin reduce_max reduce_min sort top_k""".split()
+)

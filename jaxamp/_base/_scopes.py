@@ -17,8 +17,9 @@ from typing import Any
 from .. import _compat
 
 # Prefixes of scope names that are not the user's: jaxamp's markers
-# (``amp_int8_matmul``, ``jaxamp_recast``, the ``jaxamp.amp`` region) and JAX's.
-_MARKER_PREFIXES = ("jax", "amp_")
+# (``jaxamp_int8_matmul``, ``jaxamp_recast``, the ``jaxamp.amp`` region, all
+# ``jaxamp_``), JAX's, and jaxamp 0.0.4's ``amp_stop`` region.
+_MARKER_PREFIXES = ("jax", "amp_stop")
 
 
 def is_user_scope(name: str) -> bool:

@@ -44,7 +44,7 @@ class WalkState:
         scopes: the ``named_scope`` components of the equation being bound,
             outermost first (with the enclosing equations' prefix).
         policy: the policy of the walk (an ``AmpPolicy``; None outside one).
-        stash_off: the walk binds a rule JAX differentiates itself (a
+        residuals_off: the walk binds a rule JAX differentiates itself (a
             ``custom_jvp`` rule, a ``custom_vjp``'s fwd or bwd): its values are
             not stored compressed (``_policy/_residuals.py``).
     """
@@ -56,7 +56,7 @@ class WalkState:
     facts: Any = None
     scopes: tuple = ()
     policy: Any = None
-    stash_off: bool = False
+    residuals_off: bool = False
 
 
 _WALK: contextvars.ContextVar[WalkState] = contextvars.ContextVar(

@@ -48,14 +48,14 @@ from .._base._jaxpr import bind_eqn, read
 from .._base._structure import describe
 from .._values._operands import EXACT, PRODUCT, product_operands
 from ._compressed import (
-    STASH_SCOPE,
+    RESIDUAL_SCOPE,
     Saved,
     encoded,
     is_held,
     partial_vjp,
     weight_source_of,
 )
-from ._stash import Format, compressible_aval, encode
+from ._residual_format import Format, compressible_aval, encode
 
 # The rule that decided a saved value's stored form (memory_report shows it).
 STORED_PRODUCT = "reaches a product: int8"
@@ -423,7 +423,7 @@ def _saved_value(x: Any, how: Any, code: Any = ()) -> Saved | Pieces:
         return Pieces(tuple(map(_saved_value, parts, how.hows)), how.axis)
     if isinstance(how, Format):
         if not code:
-            with jax.named_scope(STASH_SCOPE):
+            with jax.named_scope(RESIDUAL_SCOPE):
                 code = encode(jax.lax.stop_gradient(x), how)
         return Saved("code", tuple(code), *meta, how)
     if how == "raw":

@@ -3,7 +3,7 @@
 :func:`store_compressed` binds a computation (one equation under its rule, a
 call, a region) as a ``jax.custom_vjp`` whose forward pass computes exactly
 what amp would and saves the inputs the derivative reads that are not held
-(``_stash.py``: 8-bit values with per-group float32 scales), and whose
+(``_residual_format.py``: 8-bit values with per-group float32 scales), and whose
 backward pass decodes them and differentiates the computation again
 (``jax.vjp``: a product's forward result is dead code there, an elementwise
 function is recomputed). Each value is encoded once per trace, outside any
@@ -26,8 +26,8 @@ from .. import _compat
 from .._base import _state
 from .._base._cast import cast_cache
 from .._base._dtypes import is_float
-from .._base._prims import CHEAP_ELEMENTWISE, MATMULS
-from ._stash import Format, compressible, decode, encode
+from .._base._prims import CHEAP_ELEMENTWISE, CHOOSERS, EXPONENTIALS, MATMULS
+from ._residual_format import Format, compressible, decode, encode
 
 
 def is_held(x: Any) -> bool:
@@ -62,7 +62,7 @@ def bind_compressed(call: Any, invals: Sequence[Any], fmt: Format) -> Any:
                 out = out if stored is None else stored
             _mark_derived(out, call, invals, new_in, params, root)
             return out
-    if call.name in _READS_NO_VALUE | _EXPONENTIALS | _CHOOSERS:
+    if call.name in _READS_NO_VALUE | EXPONENTIALS | CHOOSERS:
         return None
     return store_compressed(call.apply, invals, fmt)
 
@@ -166,33 +166,20 @@ _READS_NO_VALUE = frozenset(
         "is_finite",
     }
 )
-# Their derivative routes the cotangent by comparing input values (which
-# element is the largest, the sort order): recomputed from rounded values the
-# choice could change, so they save what JAX saves.
-_CHOOSERS = frozenset(
-    {"sort", "top_k", "reduce_max", "reduce_min", "argmax", "argmin"}
-    | {"cummax", "cummin"}
-)
 
 
 def recomputable(jaxpr: Any) -> bool:
     """``jaxpr`` (and its sub-jaxprs) can be recomputed from stored inputs:
-    no product (its cost), no :data:`_CHOOSERS` or :data:`_EXPONENTIALS`
+    no product (its cost), no :data:`CHOOSERS` or :data:`EXPONENTIALS`
     (their results from rounded inputs could differ in kind)."""
     core, _ = _compat.jaxpr_parts(jaxpr)
-    unsafe = _CHOOSERS | _EXPONENTIALS | set(MATMULS)
+    unsafe = CHOOSERS | EXPONENTIALS | set(MATMULS)
     for eqn in core.eqns:
         if eqn.primitive.name in unsafe:
             return False
         if not all(map(recomputable, _compat.sub_jaxprs(eqn.params))):
             return False
     return True
-
-
-# Their inputs are not stored compressed: exp turns an absolute error of its
-# input into a relative error of its output (a softmax's probabilities). exp
-# stores its output instead (its derivative), the others as JAX saves them.
-_EXPONENTIALS = frozenset({"exp", "exp2", "expm1", "logistic"})
 
 
 def _exp_storing_output(call: Any, invals: Sequence[Any], fmt: Format) -> Any:
@@ -218,7 +205,7 @@ def _exp_storing_output(call: Any, invals: Sequence[Any], fmt: Format) -> Any:
     return stored(x, *codes)
 
 
-STASH_SCOPE = "jaxamp_stash"
+RESIDUAL_SCOPE = "jaxamp_residual_code"
 # Equations that re-lay out or re-type their input: applied to held values
 # (a weight's transpose or cast), their output is a weight too, never stored
 # compressed (an 8-bit weight would coarsen the cotangents it carries back).
@@ -274,14 +261,14 @@ def _mark_weight(out, call, invals, i, source, derive) -> None:
     cache[(id(out), "weight")] = (out, (source, remake))
 
 
-def stash_format() -> Format | None:
+def current_residual_format() -> Format | None:
     """The stored form of the values saved where the walk is now: the
     ``"residuals"`` entry of the policy in force for the current scopes
     (:meth:`AmpPolicy.residual_rule`), None for none, inside a user's
     ``jax.checkpoint`` (recomputed anyway) and in rules JAX differentiates
-    itself (``WalkState.stash_off``)."""
+    itself (``WalkState.residuals_off``)."""
     state = _state.current()
-    if state.policy is None or state.recomputed or state.stash_off:
+    if state.policy is None or state.recomputed or state.residuals_off:
         return None
     rule = state.policy.residual_rule(state.scopes)
     return None if rule is None else rule.format
@@ -296,7 +283,7 @@ def encoded(x: Any, fmt: Format) -> tuple[Any, Any]:
     hit = None if cache is None else cache.get(key)
     if hit is not None and hit[0] is x:
         return hit[1]
-    with jax.named_scope(STASH_SCOPE):
+    with jax.named_scope(RESIDUAL_SCOPE):
         out = encode(jax.lax.stop_gradient(x), fmt)
     if cache is not None:
         cache[key] = (x, out)
@@ -361,7 +348,7 @@ def store_compressed(
     """``fn(*invals)``, its backward pass reading 8-bit copies of its inputs.
 
     The inputs the derivative reads that are not held and are compressible
-    (``_stash.compressible``) are saved as ``(q, scale)`` in ``fmt``; held
+    (``_residual_format.compressible``) are saved as ``(q, scale)`` in ``fmt``; held
     ones (alive for the step anyway) and small ones as they are; the others
     not at all. The forward result is computed from the exact inputs.
 

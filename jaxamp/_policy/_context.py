@@ -21,8 +21,8 @@ import numpy as np
 
 from .._base import _state
 from .._values._facts import UNKNOWN, EqnFacts, current_facts
-from ._compressed import stash_format
-from ._stash import Format
+from ._compressed import current_residual_format
+from ._residual_format import Format
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +41,7 @@ class RuleContext:
             first (with the enclosing equations' prefix).
         policy: the policy in force (an ``AmpPolicy``), None outside a walk.
         residual_format: the stored form of the residuals saved here (a
-            ``_stash.Format``), None where they are kept in the dtype they
+            ``_residual_format.Format``), None where they are kept in the dtype they
             are computed in.
         recomputed: the equation is inside a user's ``jax.checkpoint`` body,
             whose residuals the backward pass recomputes.
@@ -70,6 +70,6 @@ def from_walk(compute_dtype: Any, original_dtypes: Sequence[Any]) -> RuleContext
         facts=current_facts(),
         scopes=state.scopes,
         policy=state.policy,
-        residual_format=stash_format(),
+        residual_format=current_residual_format(),
         recomputed=state.recomputed,
     )

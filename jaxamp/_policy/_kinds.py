@@ -28,7 +28,7 @@ from typing import Any
 
 from .._base import _formats
 from ._context import RuleContext, from_walk
-from ._stash import Format, parse_dtype
+from ._residual_format import Format, parse_dtype
 
 ATTENTION_KEY = "attention"
 RESIDUALS_KEY = "residuals"
@@ -239,7 +239,7 @@ class ResidualRule:
 
     @property
     def format(self) -> Format | None:
-        """The stored form (``_stash.Format``), None for no compression."""
+        """The stored form (``_residual_format.Format``), None for no compression."""
         if self.dtype is None:
             return None
         default = _formats.require(self.dtype, "residual_rule(dtype)").group

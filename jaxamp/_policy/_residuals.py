@@ -17,7 +17,7 @@ a careful hand-written model keeps them (see ``docs/design.md``, "Residuals"):
   policy decides what is saved.
 
 With a residual format in force (``amp(residual_dtype=...)`` or the policy key
-``"residuals"``: :func:`residual_rule`; ``_compressed.stash_format``),
+``"residuals"``: :func:`residual_rule`; ``_compressed.current_residual_format``),
 an equation whose backward pass reads an input that is not held is bound by
 ``_compressed.py`` instead: that input is saved in 8 bits with per-group
 scales and decoded in the backward pass. See ``docs/design.md``, "Compressed
@@ -38,7 +38,7 @@ from .._base._cast import cast, cast_cache, narrow_source
 from .._base._dtypes import dtype_of, is_float, is_low
 from .._base._prims import MATMULS
 from .._base._structure import describe
-from . import _stash
+from . import _residual_format
 from ._compressed import bind_compressed, is_held
 from ._kinds import RESIDUALS_KEY, ResidualRule
 from ._rules import use_lower_precision
@@ -251,7 +251,9 @@ def with_residual_dtype(amp_policy: Any, residual_dtype: Any) -> Any:
     """
     if residual_dtype is None:
         return amp_policy
-    rule = ResidualRule(_stash.parse_dtype(residual_dtype, "amp(residual_dtype)"))
+    rule = ResidualRule(
+        _residual_format.parse_dtype(residual_dtype, "amp(residual_dtype)")
+    )
     if isinstance(amp_policy, Mapping) and RESIDUALS_KEY in amp_policy:
         raise ValueError(
             f"amp(residual_dtype={residual_dtype!r}) and amp_policy["

@@ -40,12 +40,12 @@ SizeRule = Callable[[int, int, int], bool]
 # Name-stack markers put around the equations an 8-bit rule emits (a format's
 # own marker is its ``QFormat.scope``, ``amp_<label>_matmul``); read by
 # ``jaxamp.quantization_report`` to say why a matmul stayed unquantized.
-SMALL_SCOPE = "amp_small_matmul"
+SMALL_SCOPE = "jaxamp_small_matmul"
 # A gradient product the int8 recipe keeps in the compute dtype (wgrad by default).
-KEPT_SCOPE = "amp_kept_matmul"
+KEPT_SCOPE = "jaxamp_kept_matmul"
 # A product feeding the loss (no other matmul after it: the head's logits)
 # that an 8-bit policy keeps in the compute dtype (``quantize_last_matmul``).
-LOSS_SCOPE = "amp_loss_matmul"
+LOSS_SCOPE = "jaxamp_loss_matmul"
 
 
 def torchao_tensorwise_size_rule(m: int, k: int, n: int) -> bool:

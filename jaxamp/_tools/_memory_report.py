@@ -28,7 +28,7 @@ from .._base._formats import name_of
 from .._base._scopes import eqn_scopes, scope_path
 from .._base._structure import plain_call
 from .._policy._checkpoint import SavedChoice, recording
-from .._policy._compressed import STASH_SCOPE
+from .._policy._compressed import RESIDUAL_SCOPE
 from .._policy._rules import default_amp_policy
 
 
@@ -130,7 +130,7 @@ def saved_rows(fn: Callable, *args: Any, **kwargs: Any) -> list[MemoryRow]:
         else:
             origin, scopes, where = _origin(eqn, eqn.outvars.index(v), ())
             # An 8-bit copy made for amp's residual_dtype (_policy/_compressed.py)
-            name = "encode" if STASH_SCOPE in scopes else origin.primitive.name
+            name = "encode" if RESIDUAL_SCOPE in scopes else origin.primitive.name
             key = (
                 scope_path(scopes),
                 name,

@@ -2,7 +2,7 @@
 exponential's input.
 
 A weight gradient ``x^T g`` inherits the error of a stored ``x`` as it is.
-FP8 residuals (``_policy/_stash.Format.stores_products``) therefore never
+FP8 residuals (``_policy/_residual_format.Format.stores_products``) therefore never
 store a product's input in FP8, nor a value the product's input is
 recomputed from (``Format.product_form``: int8), through an elementwise
 chain (a GELU, a residual add), a normalisation (a LayerNorm's
@@ -31,7 +31,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from .._base._jaxpr import is_var, named_subs
-from .._base._prims import CHEAP_ELEMENTWISE, DATA_MOVEMENT, MATMULS
+from .._base._prims import (
+    CHEAP_ELEMENTWISE,
+    CHOOSERS,
+    DATA_MOVEMENT,
+    EXPONENTIALS,
+    MATMULS,
+)
 from .._base._structure import SubJaxpr, describe
 
 # Primitives whose output carries their inputs' relative error (no averaging,
@@ -54,14 +60,6 @@ LOOK_THROUGH = (
 # softmax's logits q k^T). Each passes :data:`LOOK_THROUGH` primitives; a
 # product gives its operands PRODUCT, and EXACT where its result has EXPONENT.
 PRODUCT, EXPONENT, EXACT = 1, 2, 4
-# Where the residuals stored outside checkpoints never store an input in 8
-# bits (``_policy/_compressed.py``: exp stores its output, choices what JAX
-# saves).
-EXPONENTIALS = frozenset({"exp", "exp2", "expm1", "logistic"})
-CHOOSERS = frozenset(
-    {"sort", "top_k", "reduce_max", "reduce_min", "argmax", "argmin", "cummax"}
-    | {"cummin"}
-)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -51,14 +51,14 @@ from .._base._dtypes import dtype_of
 from .._base._structure import Structure, SubJaxpr, describe_call
 from .._policy._checkpoint import offloads, policy_cases, store_checkpoint
 from .._policy._compressed import (
+    current_residual_format,
     is_held,
     recomputable,
-    stash_format,
     store_compressed,
 )
 from .._policy._lookup import AmpPolicy
+from .._policy._residual_format import compressible
 from .._policy._rules import narrow_bfloat16_carries
-from .._policy._stash import compressible
 from .._values import _facts
 from ._loop import (
     AmpContext,
@@ -118,7 +118,7 @@ def rewrite_jaxpr(
     # found them (None when traced lazily, e.g. a jvp rule under jax.grad).
     edge = _facts.current_facts().boundary_for(jaxpr)
     state = _state.current()
-    modes = (state.recomputed, state.stash_off)
+    modes = (state.recomputed, state.residuals_off)
     # The registry's generation: a rewrite made before a higher-order primitive
     # was (un)registered is not served after it.
     key = (ctx.key, in_dtypes, out_dtypes, held, edge, modes, widened)
@@ -221,7 +221,7 @@ def _call(eqn: Any, invals: list, ctx: AmpContext) -> Any:
     # its policy names) each by the rule (_policy/_checkpoint.py), or all
     # inputs of a call cheap and safe to recompute (jax.nn.silu), are saved
     # compressed and the body recomputed from them (_policy/_compressed.py).
-    fmt = stash_format()
+    fmt = current_residual_format()
     saves = remat and "save" in policy_cases(params.get("policy"), params[name])
     stored = fmt is not None and (saves or _worth_storing(invals))
     stored = stored and (remat or recomputable(params[name]))
@@ -453,7 +453,7 @@ def _custom_jvp_call(eqn: Any, invals: list, ctx: AmpContext) -> Any:
     in_dtypes = _changed_dtypes(invals, eqn.invars)
     # With a residual format the function's inputs are saved compressed and
     # its jvp rule runs in the backward pass on the decoded values.
-    fmt = stash_format()
+    fmt = current_residual_format()
     stored = fmt is not None and _worth_storing(invals)
     stored = stored and recomputable(params["call_jaxpr"])
     with _state.recomputing(stored):
@@ -471,7 +471,7 @@ def _custom_jvp_call(eqn: Any, invals: list, ctx: AmpContext) -> Any:
         jin = primal_in + tuple(d for d, z in zip(primal_in, zeros) if not z)
         jout = out_dtypes + tuple(d for d, z in zip(out_dtypes, out_zeros) if not z)
         # JAX linearizes the rule itself: nothing in it is stored compressed.
-        with _state.updated(stash_off=True):
+        with _state.updated(residuals_off=True):
             jvp_closed = _compat.ClosedJaxpr(jvp_jaxpr, jvp_consts)
             new = rewrite_jaxpr(jvp_closed, ctx, jin, jout)
         return (*_compat.jaxpr_parts(new), out_zeros, *rest)
@@ -503,12 +503,12 @@ def _custom_vjp_call(eqn: Any, invals: list, ctx: AmpContext) -> Any:
     # stored compressed.
     def amp_fwd(*nonzeros):
         fwd_jaxpr, fwd_consts = user_fwd.call_wrapped(*nonzeros)
-        with _state.updated(stash_off=True):
+        with _state.updated(residuals_off=True):
             return _amp_closed_jaxpr(fwd_jaxpr, fwd_consts, ctx)
 
     def amp_bwd(*args):
-        with _state.updated(stash_off=True):
-            return _amp_call(user_bwd.call_wrapped, args, ctx)
+        with _state.updated(residuals_off=True):
+            return _walk_call(user_bwd.call_wrapped, args, ctx)
 
     params["fwd_jaxpr_thunk"] = _compat.wrap_fun(amp_fwd, user_fwd)
     params["bwd"] = _compat.wrap_fun(amp_bwd, user_bwd)
@@ -516,7 +516,7 @@ def _custom_vjp_call(eqn: Any, invals: list, ctx: AmpContext) -> Any:
     return _compat.bind(eqn.primitive, restore_inputs(eqn, invals), bparams)
 
 
-def _amp_call(fn: Callable, args: tuple, ctx: AmpContext) -> Any:
+def _walk_call(fn: Callable, args: tuple, ctx: AmpContext) -> Any:
     """Call ``fn(*args)`` with its computation rewritten under ``ctx``.
 
     Only array arguments are traced; the others (``SymbolicZero`` cotangents of

@@ -34,7 +34,7 @@ from .. import _compat
 from .._base import _state
 from .._base._cast import cast_cache, restore, widen
 from .._base._jaxpr import read, write
-from .._policy._compressed import stash_format
+from .._policy._compressed import current_residual_format
 from .._policy._context import RuleContext
 from .._policy._kinds import ImplementationRule
 from .._policy._lookup import AmpPolicy
@@ -386,7 +386,7 @@ def rule_context(
         facts=_facts.UNKNOWN if facts is None else facts,
         scopes=scopes,
         policy=ctx.policy,
-        residual_format=stash_format(),
+        residual_format=current_residual_format(),
         recomputed=_state.current().recomputed,
     )
 

@@ -22,7 +22,7 @@ from ... import _compat
 from ..._base._cast import cast
 from ..._base._dtypes import is_float
 from ..._policy import _derived_sums
-from ..._policy._compressed import stash_format, store_compressed
+from ..._policy._compressed import current_residual_format, store_compressed
 from ._intercept import Spec, not_intercepting, unpack
 
 # The named_scope of the equations amp binds for an attention it re-dispatched.
@@ -111,7 +111,7 @@ def _bind_xla_storing(q, k, v, bias, mask, kwargs: dict) -> Any:
     k as they are, and recomputes the logits and softmax (q and k stay exact:
     exp turns an absolute error of a logit into a relative error of a
     probability)."""
-    fmt = stash_format()
+    fmt = current_residual_format()
     if fmt is not None:
         lengths = [kwargs["query_seq_lengths"], kwargs["key_value_seq_lengths"]]
         outs = store_compressed(
