@@ -35,7 +35,8 @@ H100 on this machine (``gpu_target.compile_for``: deviceless, needs the CUDA
 plugin, ``JAX_PLATFORMS=cpu``), with amp's XLA attention path
 (``attention_rule("xla")``: float32 logits and softmax) and with cuDNN
 attention (``attention_rule("cudnn")``, H100 only), each with E4M3 and int8
-residuals.
+residuals; with ``--remat``, each scanned block under ``jax.checkpoint`` (what
+the checkpoint saves, stored by the rule of ``_policy/_checkpoint.py``).
 """
 
 from __future__ import annotations
@@ -249,8 +250,9 @@ def _gpu_variants() -> dict:
     return out
 
 
-def part3(targets=("cpu", "h100"), layers=(2, 4)) -> list[dict]:
-    """Per-layer peak of the activation-dominated step per compile target."""
+def part3(targets=("cpu", "h100"), layers=(2, 4), remat=False) -> list[dict]:
+    """Per-layer peak of the activation-dominated step per compile target;
+    ``remat``: each scanned block under ``jax.checkpoint``."""
     rows = []
     for target in targets:
         if target == "h100" and gpu_target.available() is not None:
@@ -264,7 +266,8 @@ def part3(targets=("cpu", "h100"), layers=(2, 4)) -> list[dict]:
                 sizes = {"gpu": (GPU["d"], n, GPU["seq"], GPU["batch"], GPU["heads"])}
                 sizes["gpu"] += (GPU["vocab"],)
                 run.SIZES.update(sizes)
-                loss, args = wrap(run.make_loss("gpu")), run.init("gpu", sizes=sizes)
+                loss = wrap(run.make_loss("gpu", remat=remat))
+                args = run.init("gpu", sizes=sizes)
                 step = jax.value_and_grad(loss)
                 compiled = gpu_target.compile_for(step, *args, target=target)
                 peaks.append(gpu_target.peak_bytes(compiled))
@@ -367,6 +370,11 @@ def markdown(
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="write the markdown table here")
+    p.add_argument(
+        "--remat",
+        action="store_true",
+        help="with --gpu: each scanned block under jax.checkpoint",
+    )
     p.add_argument("--skip-long", action="store_true", help="part 1 only")
     p.add_argument("--only-long", action="store_true", help="part 2 only")
     p.add_argument(
@@ -381,9 +389,9 @@ def main(argv: list[str] | None = None) -> int:
     p1, p1r = ([], []) if part1_off else (part1(False), part1(True))
     p1b = [] if part1_off else part1b()
     p2 = [] if a.skip_long or a.gpu else part2()
-    p3 = part3() if a.gpu else []
+    p3 = part3(remat=a.remat) if a.gpu else []
     flags = " --skip-long" * a.skip_long + " --only-long" * a.only_long
-    flags += " --gpu" * a.gpu
+    flags += " --gpu" * a.gpu + " --remat" * a.remat
     meta = (
         "`python benchmarks/residuals.py --out benchmarks/RESULTS_RESIDUALS.md"
         f"{flags}` "

@@ -200,6 +200,7 @@ class AmpPolicy:
         "_by_name",
         "_by_path",
         "_default",
+        "_key",
         "_on_default",
         "_source",
         "_stop",
@@ -235,6 +236,7 @@ class AmpPolicy:
         self._seen_scopes: set[str] = set()
         self._seen_stacks: set[tuple[str, ...]] = set()
         self._warned: set[Any] = set()
+        self._key: Hashable | None = None
 
     @property
     def value_key(self) -> Hashable:
@@ -243,11 +245,14 @@ class AmpPolicy:
         function by identity; nested policies by their entries): what work
         done under a policy is cached by (``_walk/_higher_order.py``), so
         re-wrapping a function with an equal policy reuses it. A policy
-        holding an unhashable value is its own key (compared by identity)."""
-        try:
-            return self._typed_key()
-        except TypeError:  # a value that cannot be hashed
-            return self
+        holding an unhashable value is its own key (compared by identity).
+        Made once: the entries do not change after the policy is built."""
+        if self._key is None:
+            try:
+                self._key = self._typed_key()
+            except TypeError:  # a value that cannot be hashed
+                self._key = self
+        return self._key
 
     def _typed_key(self) -> Hashable:
         """The typed entries (fixed when the policy was built, nested

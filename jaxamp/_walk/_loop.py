@@ -34,6 +34,7 @@ from .. import _compat
 from .._base import _state
 from .._base._cast import cast_cache, restore, widen
 from .._base._jaxpr import read, write
+from .._base._scopes import eqn_scopes
 from .._policy._compressed import current_residual_format
 from .._policy._context import RuleContext
 from .._policy._kinds import ImplementationRule
@@ -287,7 +288,7 @@ def _in_region(walk: Walk, region: Region, i: int, started: dict) -> bool:
     if i != region.eqns[-1]:
         return True
     last = walk.jaxpr.eqns[i]
-    scopes = walk.ctx.scopes + _compat.scope_names(last)
+    scopes = eqn_scopes(walk.ctx.scopes, last)
     with _state.updated(scopes=scopes, policy=walk.ctx.policy):
         outs = region.finish(walk, started[first])
     if outs is None:
@@ -300,7 +301,7 @@ def _run_eqn(eqn: Any, eqn_facts: Any, env: dict, ctx: AmpContext) -> None:
     """Rewrite (higher-order) or re-bind (rule) one equation with its facts
     current, reading its inputs from ``env`` and writing its outputs there."""
     invals = [read(env, v) for v in eqn.invars]
-    scopes = ctx.scopes + _compat.scope_names(eqn)
+    scopes = eqn_scopes(ctx.scopes, eqn)
     where = _state.updated(facts=eqn_facts, scopes=scopes, policy=ctx.policy)
     with where, _compat.eqn_context(eqn):
         hop = ctx.pipeline.higher_order.get(eqn.primitive.name)
