@@ -114,9 +114,18 @@ if __name__ == "__main__" and "--dry-run" in sys.argv:
     # A dry run times nothing: XLA:CPU's cheapest code generation (no MLIR
     # fusion emitters, no LLVM optimisation) compiles the tiny steps about 7x
     # faster. Read when the backend starts, so set before any JAX call.
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + (
-        " --xla_cpu_use_fusion_emitters=false --xla_backend_optimization_level=0"
-        " --xla_llvm_disable_expensive_passes"
+    # Only the flags this jaxlib knows: an unknown one aborts XLA at start.
+    # Importing jaxamp does not start the backend.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from jaxamp._compat import known_xla_flags
+
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "")
+        + " "
+        + known_xla_flags(
+            "--xla_cpu_use_fusion_emitters=false --xla_backend_optimization_level=0"
+            " --xla_llvm_disable_expensive_passes"
+        )
     )
 
 import jax  # noqa: E402
@@ -380,20 +389,28 @@ def has_residual_dtype() -> bool:
 
 
 def memory_variants() -> list:
-    """``benchmarks/memory.py`` Variants of the memory part; the FP8-residual
-    one only where ``jaxamp.amp`` takes ``residual_dtype=``."""
+    """``benchmarks/memory.py`` Variants of the memory part, each with and
+    without ``jaxamp.skip_nonfinite_updates`` (the main job wraps its optimizer
+    in it), and float16 with dynamic loss scaling; the FP8-residual one only
+    where ``jaxamp.amp`` takes ``residual_dtype=``."""
     import memory
 
     bf16 = lambda loss: jaxamp.amp(loss, compute_dtype=BF16)
+    f16 = lambda loss: jaxamp.amp(loss, compute_dtype=jnp.float16)
     V = memory.Variant
-    out = [
+    base = [
         V("amp bf16, f32 master", bf16),
         V("amp, bf16 params + SR, bf16 state", bf16, "bfloat16"),
         V("amp, bf16 params + SR, int8 state", bf16, "bfloat16", state="int8"),
     ]
     if has_residual_dtype():
         fp8 = lambda loss: jaxamp.amp(loss, compute_dtype=BF16, residual_dtype=E4M3)
-        out.append(V("amp bf16, FP8 residuals, f32 master", fp8))
+        base.append(V("amp bf16, FP8 residuals, f32 master", fp8))
+    base.append(V("amp float16 + dynamic scaling, f32 master", f16, scaler=True))
+    out = []
+    for v in base:
+        out.append(dataclasses.replace(v, name=f"{v.name}, skip"))
+        out.append(dataclasses.replace(v, name=f"{v.name}, no skip", skip=False))
     return out
 
 
@@ -424,6 +441,9 @@ def main_job_step(variant, cfg: tc.Config) -> Callable:
         with jax.numpy_dtype_promotion("standard"):  # optax (see train_charlm)
             state = jax.eval_shape(opt.init, params)
         x = jax.ShapeDtypeStruct((c.batch_size, c.seq_len), jnp.int32)
+        if variant.scaler:
+            scaler = jax.eval_shape(jaxamp.DynamicScalerState)
+            return step, (params, state, x, x, scaler), (0, 1)
         return step, (params, state, x, x), (0, 1)
 
     return build
@@ -455,7 +475,7 @@ def part_memory(dry_run: bool, budget: Budget) -> dict:
     regimes, variants = memory_regimes(dry_run), memory_variants()
     width = next(iter(regimes.values())).d_model
     if dry_run:  # compile only, but each compile costs seconds on the CPU
-        variants = [variants[0], variants[2], *variants[3:]]
+        variants = [v for v in variants if "bf16 state" not in v.name]
     for regime, cfg in regimes.items():
         for v in variants:
             reason = budget.skip_reason(f"{v.name}, {regime}", last_s)

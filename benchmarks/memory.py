@@ -105,6 +105,11 @@ class Variant:
         param_dtype: ``"float32"`` or ``"bfloat16"``.
         rounding: ``train_charlm``'s ``param_rounding``.
         state: ``train_charlm``'s ``opt_state_dtype``.
+        skip: the optimizer inside ``jaxamp.skip_nonfinite_updates`` (as the
+            main job's); False: the plain step.
+        scaler: differentiate with ``jaxamp.dynamic_scale_value_and_grad``
+            (float16's dynamic loss scaling; the scaler state is the step's
+            fifth argument and output).
     """
 
     name: str
@@ -112,6 +117,8 @@ class Variant:
     param_dtype: str = "float32"
     rounding: str = "stochastic"
     state: str = "bfloat16"
+    skip: bool = True
+    scaler: bool = False
 
 
 def _amp(loss):
@@ -153,10 +160,15 @@ def setup(v: Variant, cfg: tc.Config):
         opt_state_dtype=v.state,
     )
     loss = v.wrap(lambda p, x, y: tc.loss_fn(p, x, y, cfg.heads))
-    opt = tc.make_optimizer(cfg)
+    opt = tc.make_optimizer(cfg, skip=v.skip)
 
-    def step(params, opt_state, x, y):
-        value, grads = jax.value_and_grad(loss)(params, x, y)
+    def step(params, opt_state, x, y, *scaler):
+        if v.scaler:
+            vg = jaxamp.dynamic_scale_value_and_grad(loss, filter=False)
+            scaler, (value, grads) = vg(params, x, y, dynamic_scaler_state=scaler[0])
+            value = (value, scaler)
+        else:
+            value, grads = jax.value_and_grad(loss)(params, x, y)
         with jax.numpy_dtype_promotion("standard"):  # optax's Adam (see train_charlm)
             updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value

@@ -409,11 +409,13 @@ def _amp_for(mode: str, fn: Callable, residual_dtype: str = "compute") -> Callab
     return jaxamp.amp(fn, compute_dtype=spec["compute"], **kw)
 
 
-def make_optimizer(cfg: Config) -> optax.GradientTransformation:
+def make_optimizer(cfg: Config, skip: bool = True) -> optax.GradientTransformation:
     """The optimizer of every mode.
 
     Args:
         cfg: ``lr``, ``warmup`` and ``steps``.
+        skip: wrap it in ``jaxamp.skip_nonfinite_updates`` (False: the plain
+            step, for the memory benchmark's with/without comparison).
 
     Returns:
         AdamW (weight decay 0.1) on a linear-warmup + cosine schedule (down to
@@ -442,7 +444,9 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
             state_dtype=state[cfg.opt_state_dtype],
             seed=cfg.seed,
         )
-    return tx if cfg.update_in_backward else jaxamp.skip_nonfinite_updates(tx)
+    if cfg.update_in_backward or not skip:
+        return tx
+    return jaxamp.skip_nonfinite_updates(tx)
 
 
 def initial_params(cfg: Config) -> dict:
@@ -550,7 +554,7 @@ def train(
         if i == 1:
             t_steady = time.perf_counter()  # after compilation and one warm step
         if bar is not None:
-            postfix = {"loss": f"{losses[-1]:.3f}"}
+            postfix = {"loss_nats": f"{losses[-1]:.3f}"}
             if i >= 2:  # steady state: steps after the compile and warm-up steps
                 rate = (i - 1) * tokens_per_step / (time.perf_counter() - t_steady)
                 postfix["tok_s"] = f"{rate:.0f}"
@@ -725,7 +729,8 @@ def table(results: list[dict], fp32_residual: int | None) -> str:
         The table, one row per mode.
     """
     head = (
-        "| mode | train loss | val loss | val bits/char | tokens/s | skipped steps "
+        "| mode | train loss (nats) | val loss (nats) | val bits/char | tokens/s "
+        "| skipped steps "
         "| forward overflows | final loss scale | low-precision matmul FLOPs "
         "| 8-bit matmul FLOPs | residual bytes vs fp32 | bytes/param |"
     )

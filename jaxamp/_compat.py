@@ -1,7 +1,7 @@
 """Every JAX-version branch and every private JAX import of jaxamp lives here.
 
 Each item names the JAX version that made it necessary. Supported: JAX 0.10.x
-(Python 3.11) and 0.11.x (Python 3.12).
+(Python 3.11), 0.11.x and 0.12.x (Python 3.12).
 """
 
 from __future__ import annotations
@@ -151,11 +151,44 @@ def bf16_slices_widen() -> bool:
     return backend() == "cpu"
 
 
-# XLA:CPU (jaxlib 0.10 / 0.11) debug options: its MLIR fusion emitters off
-# (the older loop emitters on) and LLVM at optimisation level 1. A module of
-# many small kernels (the precision report's analysis) compiles several
-# percent faster and runs as fast; at level 0 it runs slower than the
-# compile saves. Other backends ignore them.
+# XLA flags that not every supported jaxlib knows, with the last jaxlib minor
+# that has each. XLA aborts the process at backend start on an unknown flag in
+# XLA_FLAGS (and a compile raises on an unknown option), so a flag is set only
+# where the installed XLA has it. jaxlib 0.11 removed XLA:CPU's older loop
+# emitters, and with them --xla_cpu_use_fusion_emitters (checked: 0.10.2 knows
+# it, 0.11.2 and 0.12.0 abort).
+_XLA_FLAG_LAST_MINOR = {"xla_cpu_use_fusion_emitters": (0, 10)}
+
+
+def _jaxlib_minor() -> tuple[int, int]:
+    import jaxlib  # the XLA that reads the flags is jaxlib's, not jax's
+
+    parts = jaxlib.__version__.split(".")
+    return int(parts[0]), int(parts[1])
+
+
+def xla_flag_known(flag: str) -> bool:
+    """Whether the installed XLA knows ``flag`` (a name such as
+    ``"xla_cpu_use_fusion_emitters"``, with or without ``--`` and ``=value``).
+
+    Flags not listed in :data:`_XLA_FLAG_LAST_MINOR` are taken as known.
+    """
+    name = flag.lstrip("-").split("=", 1)[0]
+    last = _XLA_FLAG_LAST_MINOR.get(name)
+    return last is None or _jaxlib_minor() <= last
+
+
+def known_xla_flags(flags: str) -> str:
+    """``flags`` (an ``XLA_FLAGS``-style string) without the flags the installed
+    XLA lacks (:func:`xla_flag_known`): safe to append to ``XLA_FLAGS``."""
+    return " ".join(f for f in flags.split() if xla_flag_known(f))
+
+
+# XLA:CPU debug options for a one-off analysis: LLVM at optimisation level 1
+# and, where the jaxlib has them (<= 0.10), the older loop emitters instead of
+# the MLIR fusion emitters. A module of many small kernels (the precision
+# report's analysis) compiles several percent faster and runs as fast; at
+# level 0 it runs slower than the compile saves. Other backends ignore them.
 _FAST_COMPILE_CPU = {
     "xla_cpu_use_fusion_emitters": False,
     "xla_backend_optimization_level": 1,
@@ -163,18 +196,23 @@ _FAST_COMPILE_CPU = {
 
 
 def compile_analysis(lowered: Any) -> Any:
-    """``lowered.compile()`` for a one-off analysis: on XLA:CPU with
-    :data:`_FAST_COMPILE_CPU` (those not set in ``XLA_FLAGS``), falling back
-    to the default options where this XLA does not know them (a real compile
-    error raises from the fallback)."""
+    """``lowered.compile()`` for a one-off analysis: on XLA:CPU with those of
+    :data:`_FAST_COMPILE_CPU` that this XLA knows and ``XLA_FLAGS`` does not
+    set, falling back to the default options if the compile refuses them (a
+    real compile error raises from the fallback)."""
     if jax.default_backend() == "cpu":
         # Options set in XLA_FLAGS (the tests' level 0, a user's) win.
         flags = os.environ.get("XLA_FLAGS", "")
-        opts = {k: v for k, v in _FAST_COMPILE_CPU.items() if f"--{k}=" not in flags}
-        try:
-            return lowered.compile(opts)
-        except Exception:  # noqa: BLE001 - an option this XLA lacks
-            pass
+        opts = {
+            k: v
+            for k, v in _FAST_COMPILE_CPU.items()
+            if f"--{k}=" not in flags and xla_flag_known(k)
+        }
+        if opts:
+            try:
+                return lowered.compile(opts)
+            except Exception:  # noqa: BLE001 - an option this XLA refuses
+                pass
     return lowered.compile()
 
 
@@ -446,7 +484,8 @@ def _attention_state() -> Any:
 ATTENTION_INTERCEPT = _attention_state()
 
 
-TESTED_JAX = ((0, 10), (0, 11))  # the JAX minor versions the project is tested on
+# the JAX minor versions the project is tested on
+TESTED_JAX = ((0, 10), (0, 11), (0, 12))
 
 
 def warn_untested_jax(version: str | None = None) -> bool:
@@ -465,9 +504,10 @@ def warn_untested_jax(version: str | None = None) -> bool:
         return False
     if minor <= max(TESTED_JAX):
         return False
-    tested = " and ".join(f"{a}.{b}" for a, b in TESTED_JAX)
+    lo, hi = TESTED_JAX[0], TESTED_JAX[-1]
     warnings.warn(
-        f"jaxamp is tested with JAX {tested}; JAX {version} is newer. If amp "
+        f"jaxamp is tested with JAX {lo[0]}.{lo[1]} to {hi[0]}.{hi[1]}; JAX "
+        f"{version} is newer. If amp "
         "fails or a jaxpr looks wrong, report it with the JAX version at "
         "https://github.com/jaxamp/jaxamp/issues.",
         UserWarning,

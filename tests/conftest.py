@@ -17,13 +17,17 @@ if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
 # here is between programs compiled alike or within a stated tolerance.
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
-# The same reasoning for XLA:CPU's code generation: the older loop emitters and no
+# The same reasoning for XLA:CPU's code generation: the older loop emitters (where
+# this jaxlib has them: an unknown flag aborts XLA, see jaxamp/_compat.py) and no
 # expensive LLVM passes compile the suite's many small programs faster
 # (benchmarks/gpu_suite.py's dry run uses the same flags). HLO passes, where a
-# rounding could be folded away, run as in production.
-if "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += (
-        " --xla_cpu_use_fusion_emitters=false --xla_llvm_disable_expensive_passes"
+# rounding could be folded away, run as in production. Importing jaxamp does not
+# start the backend, so the flags set here are still read.
+from jaxamp._compat import known_xla_flags  # noqa: E402
+
+if "xla_llvm_disable_expensive_passes" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " " + known_xla_flags(
+        "--xla_cpu_use_fusion_emitters=false --xla_llvm_disable_expensive_passes"
     )
 
 import jax  # noqa: E402

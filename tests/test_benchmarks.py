@@ -266,7 +266,12 @@ def test_gpu_suite_dry_run(tmp_path):
     assert abs(runs["fp16"]["val_loss"] - runs["bf16"]["val_loss"]) < 0.05, runs
 
     mem = {r["variant"]: r for r in parts["memory"]["rows"]}
-    assert "amp bf16, f32 master" in mem and "amp, bf16 params + SR, int8 state" in mem
+    for name in (
+        "amp bf16, f32 master",
+        "amp, bf16 params + SR, int8 state",
+        "amp float16 + dynamic scaling, f32 master",
+    ):  # each with and without the skip wrapper
+        assert f"{name}, skip" in mem and f"{name}, no skip" in mem, list(mem)
     for r in mem.values():
         assert r["layers"] == [4, 8] and r["params"][1] > r["params"][0]
         # at least the parameters themselves (2 or 4 bytes) per added parameter

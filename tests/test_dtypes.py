@@ -45,3 +45,10 @@ def test_widest_prefers_bfloat16_on_a_16_bit_tie():
     assert widest([jnp.float16, jnp.bfloat16]) == np.dtype(jnp.bfloat16)
     assert widest([jnp.bfloat16, jnp.float32, jnp.int64]) == np.dtype(jnp.float32)
     assert widest([jnp.int32, bool]) is None
+
+
+def test_int8_compute_dtype_names_the_int8_policy():
+    # int8 matmuls are a policy over a float compute dtype: the error says so.
+    for bad in ("int8", jnp.int8):
+        with pytest.raises(ValueError, match=r"amp_policy=jaxamp\.int8_amp_policy"):
+            canonical_dtype(bad, argname="compute_dtype")

@@ -104,7 +104,7 @@ def test_skip_nonfinite_updates(name):
         np.testing.assert_allclose(a, b, rtol=1e-6)
 
 
-def test_skip_wrapper_forwards_extra_args_and_skips_nonfinite_inner_updates():
+def test_skip_wrapper_forwards_extra_args_and_decides_from_the_gradients():
     def inner_update(updates, state, params=None, *, factor):
         return jax.tree_util.tree_map(lambda u: u * factor, updates), state
 
@@ -115,10 +115,17 @@ def test_skip_wrapper_forwards_extra_args_and_skips_nonfinite_inner_updates():
     state = opt.init({"w": jnp.ones(2)})
     u, state = opt.update({"w": jnp.ones(2)}, state, factor=3.0)
     np.testing.assert_array_equal(u["w"], [3.0, 3.0])
-    # Finite gradients, but the inner optimizer overflows: skipped too.
+    # Finite gradients, an inner optimizer that overflows: by default the skip
+    # is decided before the update, from the gradients, so it is applied ...
     u, state = opt.update({"w": jnp.ones(2)}, state, factor=jnp.inf)
+    np.testing.assert_array_equal(u["w"], [jnp.inf, jnp.inf])
+    assert int(state.skipped_steps) == 0 and bool(state.last_finite)
+    # ... and with check_updates=True the updates are checked too: skipped.
+    checked = jaxamp.skip_nonfinite_updates(inner, check_updates=True)
+    state = checked.init({"w": jnp.ones(2)})
+    u, state = checked.update({"w": jnp.ones(2)}, state, factor=jnp.inf)
     np.testing.assert_array_equal(u["w"], [0.0, 0.0])
-    assert int(state.skipped_steps) == 1
+    assert int(state.skipped_steps) == 1 and not bool(state.last_finite)
 
 
 def test_skip_wrapper_rejects_non_optimizer():
@@ -172,3 +179,75 @@ def test_optimizer_update_keeps_float16_parameters_float16():
     assert new["w"].dtype == jnp.float16 and new["tag"] == "static"
     want = (np.float32([1.0, 2.0]) - 1e-3 * np.float32([1.0, -1.0])).astype(np.float16)
     np.testing.assert_array_equal(new["w"], want)
+
+
+def _scanned_loss(params, x):
+    """A 3-layer scanned tanh MLP (stacked weights: the low-precision
+    optimizer's layer-by-layer path) with a mean-square loss."""
+
+    def layer(h, w):
+        return jnp.tanh(h @ w), None
+
+    h, _ = jax.lax.scan(layer, x, params["w"])
+    return jnp.mean((h + params["b"]).astype(jnp.float32) ** 2)
+
+
+SKIP_RECIPES = {
+    "bf16 params + SR": dict(param=jnp.bfloat16, compute=jnp.bfloat16, state=None),
+    "int8 state": dict(param=jnp.bfloat16, compute=jnp.bfloat16, state="int8"),
+    "float16 + dynamic scaling": dict(param=jnp.float32, compute=jnp.float16),
+}
+
+
+@pytest.mark.parametrize("recipe", sorted(SKIP_RECIPES))
+def test_skipped_step_is_bit_identical_under_jit_with_donation(recipe):
+    r = SKIP_RECIPES[recipe]
+    key = jax.random.key(0)
+    params = {
+        "w": (jax.random.normal(key, (3, 128, 128)) / 12).astype(r["param"]),
+        "b": jnp.zeros((128,), r["param"]),
+    }
+    if r["param"] == jnp.bfloat16:
+        opt = jaxamp.low_precision_optimizer(
+            optax.adamw(1e-2),
+            state_dtype=r["state"] or jnp.bfloat16,
+            min_quantized_size=1,
+        )
+    else:
+        opt = optax.adamw(1e-2)
+    opt = jaxamp.skip_nonfinite_updates(opt)
+    amp_loss = jaxamp.amp(_scanned_loss, compute_dtype=r["compute"])
+    vg = jaxamp.dynamic_scale_value_and_grad(amp_loss, filter=False)
+
+    @jax.jit
+    def step(params, state, scaler, x):
+        scaler, (loss, grads) = vg(params, x, dynamic_scaler_state=scaler)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, scaler
+
+    donated = jax.jit(step.__wrapped__, donate_argnums=(0, 1))
+    x = jax.random.normal(jax.random.key(1), (16, 128)).astype(r["param"])
+    bad = x.at[3, 5].set(jnp.inf)
+    copy = lambda t: jax.tree.map(lambda a: jnp.array(a, copy=True), t)  # noqa: E731
+    scaler = (
+        jaxamp.DynamicScalerState()
+        if r["compute"] == jnp.float16
+        else jaxamp.StaticScalerState()
+    )
+    state = opt.init(params)
+    params, state, scaler = donated(params, state, scaler, x)  # one real step
+    before_p, before_s = copy(params), copy(state)
+    p2, s2, scaler2 = donated(params, state, scaler, bad)
+    for a, b in zip(jax.tree.leaves(p2), jax.tree.leaves(before_p)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for a, b in zip(
+        jax.tree.leaves(s2.inner_state), jax.tree.leaves(before_s.inner_state)
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert int(s2.skipped_steps) == int(before_s.skipped_steps) + 1
+    assert not bool(s2.last_finite)
+    # the next finite step updates every leaf
+    p3, s3, _ = donated(p2, s2, scaler2, x)
+    assert int(s3.skipped_steps) == 1 and bool(s3.last_finite)
+    for a, b in zip(jax.tree.leaves(p3), jax.tree.leaves(before_p)):
+        assert not np.array_equal(np.asarray(a), np.asarray(b))

@@ -3,6 +3,7 @@
 import ast
 import importlib
 import inspect
+import os
 import pydoc
 import typing
 from pathlib import Path
@@ -109,8 +110,9 @@ def test_a_jax_newer_than_tested_warns_naming_the_tested_versions():
 
     assert not _compat.warn_untested_jax("0.10.2")
     assert not _compat.warn_untested_jax("0.11.9")
-    with pytest.warns(UserWarning, match=r"tested with JAX 0\.10 and 0\.11.*0\.12\.0"):
-        assert _compat.warn_untested_jax("0.12.0")
+    assert not _compat.warn_untested_jax("0.12.0.1")
+    with pytest.warns(UserWarning, match=r"tested with JAX 0\.10 to 0\.12.*0\.13\.0"):
+        assert _compat.warn_untested_jax("0.13.0")
     assert not _compat.warn_untested_jax("dev")
 
 
@@ -147,3 +149,30 @@ def test_deprecated_force_full_precision_and_compat_package():
     assert jmp is jaxamp.migration.jmp
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         jaxamp.nope  # noqa: B018
+
+
+def test_xla_flags_are_set_only_where_this_xla_knows_them(monkeypatch):
+    # An unknown flag in XLA_FLAGS aborts XLA at backend start (JAX >= 0.11
+    # lost --xla_cpu_use_fusion_emitters): the table must match the installed
+    # XLA, checked by starting a backend with the flag in a subprocess.
+    import subprocess
+    import sys
+
+    from jaxamp import _compat
+
+    flag = "--xla_cpu_use_fusion_emitters=false"
+    env = {**os.environ, "XLA_FLAGS": flag, "JAX_PLATFORMS": "cpu"}
+    run = subprocess.run(
+        [sys.executable, "-c", "import jax; jax.numpy.ones(2).block_until_ready()"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (run.returncode == 0) == _compat.xla_flag_known(flag), run.stderr[-500:]
+    keep = "--xla_backend_optimization_level=0"
+    monkeypatch.setattr(_compat, "_jaxlib_minor", lambda: (0, 10))
+    assert _compat.known_xla_flags(f"{flag} {keep}") == f"{flag} {keep}"
+    monkeypatch.setattr(_compat, "_jaxlib_minor", lambda: (0, 11))
+    assert _compat.known_xla_flags(f"{flag} {keep}") == keep
+    assert not _compat.xla_flag_known("xla_cpu_use_fusion_emitters")

@@ -72,6 +72,8 @@ def canonical_dtype(dtype: Any, *, argname: str = "dtype") -> np.dtype:
         key = dtype.strip().lower()
         if key in SEMANTIC_FIELDS:
             return _semantic(key, argname)
+        if key in ("int8", "s8", "i8"):
+            raise ValueError(_int8_hint(argname, dtype))
         if key not in _ALIASES:
             raise ValueError(
                 f"{argname}={dtype!r} is not a known floating-point dtype name; use "
@@ -85,12 +87,25 @@ def canonical_dtype(dtype: Any, *, argname: str = "dtype") -> np.dtype:
         raise ValueError(
             f"{argname}={dtype!r} is not a dtype; pass e.g. jnp.bfloat16."
         ) from e
+    if out == np.dtype(np.int8):
+        raise ValueError(_int8_hint(argname, dtype))
     if not jnp.issubdtype(out, jnp.floating):
         raise ValueError(
             f"{argname} must be a floating-point dtype (e.g. jnp.bfloat16 or "
             f"jnp.float16), got {out}."
         )
     return out
+
+
+def _int8_hint(argname: str, dtype: Any) -> str:
+    """The error for an int8 dtype where a float one is needed: int8 matmuls
+    are a policy over a float compute dtype, not a compute dtype."""
+    return (
+        f"{argname}={dtype!r}: int8 is not a compute dtype; int8 matmuls are a "
+        "policy: pass compute_dtype=jnp.bfloat16, "
+        "amp_policy=jaxamp.int8_amp_policy (or jaxamp.int8_policy(...); FP8: "
+        "jaxamp.fp8_amp_policy)."
+    )
 
 
 def _semantic(key: str, argname: str) -> np.dtype:

@@ -14,6 +14,7 @@ import optax
 
 from .. import _compat
 from . import _chunked, _in_place
+from ._optax import gate_tree, register_gated_update
 from ._rounding import (
     BlockQuantized,
     dequantize_blockwise,
@@ -250,6 +251,16 @@ class _Codec(NamedTuple):
         )
 
 
+def _gate_update(gate, d):
+    """An update, zero where ``gate`` is False (a skipped step)."""
+    return d if gate is None else jnp.where(gate, d, jnp.zeros_like(d))
+
+
+def _next_count(count, gate):
+    """The step count after an update (unchanged where ``gate`` is False)."""
+    return count + (1 if gate is None else gate.astype(count.dtype))
+
+
 def _to32(tree, params):
     return jax.tree_util.tree_map(
         lambda x, p: x.astype(jnp.float32) if _is_bf16(p) else x, tree, params
@@ -277,6 +288,13 @@ def _wrap(inner, codec: _Codec) -> optax.GradientTransformationExtraArgs:
         return LowPrecisionState(jnp.zeros((), jnp.int32), state, comp)
 
     def update(updates, state, params=None, **extra):
+        return gated_update(updates, state, params, None, **extra)
+
+    def gated_update(updates, state, params, gate, **extra):
+        """``update``; with a scalar bool ``gate``, the new state is written
+        only where it is True (the old state, bit for bit, elsewhere) and the
+        updates are zero where it is False, each select fused into its write
+        (:func:`jaxamp.skip_nonfinite_updates`)."""
         if params is None:
             raise ValueError(
                 "low_precision_optimizer: update needs params "
@@ -287,7 +305,7 @@ def _wrap(inner, codec: _Codec) -> optax.GradientTransformationExtraArgs:
             codec.slices == "int8" and codec.state_kind == "int8"
         ):
             out = _update_in_slices(
-                inner, codec, updates, state, params, extra, template, plan
+                inner, codec, updates, state, params, extra, template, plan, gate
             )
             if out is not None:
                 return out
@@ -304,19 +322,22 @@ def _wrap(inner, codec: _Codec) -> optax.GradientTransformationExtraArgs:
                 zip(leaves, pdef.flatten_up_to(u32), pdef.flatten_up_to(comp))
             )
         ]
-        d_out = [o[0] for o in outs]
+        d_out = [_gate_update(gate, o[0]) for o in outs]
         stored = _in_place.read_before_write(
             d_out, state.inner_state, template, params, state.count
         )
         _, new32 = inner.update(g32, codec.decode(stored, template), p32, **extra)
         new_comp = None
         if codec.rounding == "kahan":
-            new_comp = pdef.unflatten([o[1] for o in outs])
-        new_state = codec.encode(new32, plan, state.count)
+            new_comp = gate_tree(gate, pdef.unflatten([o[1] for o in outs]), comp)
+        new_state = gate_tree(
+            gate, codec.encode(new32, plan, state.count), state.inner_state
+        )
         return pdef.unflatten(d_out), LowPrecisionState(
-            state.count + 1, new_state, new_comp
+            _next_count(state.count, gate), new_state, new_comp
         )
 
+    register_gated_update(update, gated_update)
     if codec.slices != "never":
         _WHOLE_LEAF[update] = lambda: _wrap(inner, codec._replace(slices="never"))
     return optax.GradientTransformationExtraArgs(init, update)
@@ -498,7 +519,7 @@ def _inner_jaxpr(inner, lay: _Layout):
     return None if bad_u or bad_s else (jaxpr, consts)
 
 
-def _stacked_state(codec, lay: _Layout, jaxpr, consts, env, count) -> list:
+def _stacked_state(codec, lay: _Layout, jaxpr, consts, env, count, gate) -> list:
     """The new stored state of the stacked leaves (None elsewhere), written
     one layer at a time in a ``fori_loop``: a layer of the state decoded, the
     inner update's elementwise part evaluated on the layer's slices
@@ -530,6 +551,7 @@ def _stacked_state(codec, lay: _Layout, jaxpr, consts, env, count) -> list:
                 rows = lay.t[j].size // length
                 offset = i.astype(jnp.uint32) * jnp.uint32(rows % 2**32)
                 x = codec.encode_leaf(out[n_p + j], k, count, 2 * j + 1, offset)
+                x = gate_tree(gate, x, _chunked.take(state[j], i))
                 new[j] = _chunked.put(state[j], x, i)
         return new
 
@@ -540,7 +562,9 @@ def _stacked_state(codec, lay: _Layout, jaxpr, consts, env, count) -> list:
     return [_chunked.from_layers(s) for s in jax.lax.fori_loop(0, length, body, state)]
 
 
-def _update_in_slices(inner, codec, updates, state, params, extra, template, plan):
+def _update_in_slices(
+    inner, codec, updates, state, params, extra, template, plan, gate=None
+):
     """:func:`low_precision_optimizer`'s update with the state of leaves
     stacked on a layers axis written one slice (layer) at a time, in place.
 
@@ -577,16 +601,18 @@ def _update_in_slices(inner, codec, updates, state, params, extra, template, pla
         env = {}
         whole = _chunked.evaluate_whole(jaxpr, consts, whole_in, env)
         lay_now = lay._replace(g=g_leaves, s=s_leaves, p=p_leaves, e=e_leaves)
-        stacked = _stacked_state(codec, lay_now, jaxpr, consts, env, count)
+        stacked = _stacked_state(codec, lay_now, jaxpr, consts, env, count, gate)
         s_out = [
-            codec.encode_leaf(whole[n_p + j], k, count, 2 * j + 1) if s is None else s
-            for j, (s, k) in enumerate(zip(stacked, lay.kinds))
+            gate_tree(gate, codec.encode_leaf(whole[n_p + j], k, count, 2 * j + 1), old)
+            if s is None
+            else s
+            for j, (s, k, old) in enumerate(zip(stacked, lay.kinds, s_leaves))
         ]
         outs = [
             _write(p, whole[j], c, codec.rounding, codec.seed, count, 2 * j)
             for j, (p, c) in enumerate(zip(p_leaves, lay.c))
         ]
-        return [o[0] for o in outs], s_out, [o[1] for o in outs]
+        return [_gate_update(gate, o[0]) for o in outs], s_out, [o[1] for o in outs]
 
     args = (lay.g, lay.s, lay.p, lay.e)
     try:
@@ -594,7 +620,9 @@ def _update_in_slices(inner, codec, updates, state, params, extra, template, pla
     except _chunked.Unchunkable:
         return None
     d_out, s_out, c_out = run(*args)
-    new_comp = lay.pdef.unflatten(c_out) if codec.rounding == "kahan" else None
+    new_comp = None
+    if codec.rounding == "kahan":
+        new_comp = gate_tree(gate, lay.pdef.unflatten(c_out), state.compensation)
     return lay.pdef.unflatten(d_out), LowPrecisionState(
-        count + 1, lay.tdef.unflatten(s_out), new_comp
+        _next_count(count, gate), lay.tdef.unflatten(s_out), new_comp
     )

@@ -3,6 +3,7 @@ non-finite steps (counted, never silently lost)."""
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, NamedTuple
 
 import equinox as eqx
@@ -76,13 +77,35 @@ def select_tree(pred: Any, a: PyTree, b: PyTree) -> PyTree:
     return jax.tree_util.tree_map_with_path(leaf, a, b, is_leaf=lambda x: x is None)
 
 
+# update -> gated_update(updates, state, params, gate, **extra), which returns
+# updates that are zero where gate is False and the state unchanged there: an
+# optimizer that writes its state in place (in a loop over layers, or ordered
+# by ``_in_place``) and so must apply the skip's select inside each write; a
+# select after the update would keep the old and the new state alive at once.
+_GATED_UPDATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def register_gated_update(update: Any, gated: Any) -> None:
+    """Register ``gated`` as the gated form of the optimizer update ``update``
+    (see :data:`_GATED_UPDATES`)."""
+    _GATED_UPDATES[update] = gated
+
+
+def gate_tree(gate: Any, new: PyTree, old: PyTree) -> PyTree:
+    """``new`` where the scalar bool ``gate`` is True, else ``old`` (``new``
+    as it is when ``gate`` is None), leaf by leaf, for one state write."""
+    if gate is None:
+        return new
+    return jax.tree_util.tree_map(lambda n, o: jnp.where(gate, n, o), new, old)
+
+
 class SkipNonFiniteState(NamedTuple):
     """State of :func:`skip_nonfinite_updates`.
 
     Attributes:
         inner_state: the wrapped optimizer's state (unchanged on a skipped step).
-        skipped_steps: int32 count of steps skipped because the gradients (or the
-            inner optimizer's updates) were not finite.
+        skipped_steps: int32 count of steps skipped because the gradients (with
+            ``check_updates``, or the inner optimizer's updates) were not finite.
         last_finite: bool, whether the last step was applied.
     """
 
@@ -92,7 +115,7 @@ class SkipNonFiniteState(NamedTuple):
 
 
 def skip_nonfinite_updates(
-    inner: optax.GradientTransformation,
+    inner: optax.GradientTransformation, *, check_updates: bool = False
 ) -> optax.GradientTransformationExtraArgs:
     """Wrap an optax optimizer so that a step with non-finite gradients is skipped.
 
@@ -103,8 +126,23 @@ def skip_nonfinite_updates(
     ``optimizer.step()`` on inf/NaN). Unlike ``optax.apply_if_finite`` it never
     gives up after a number of bad steps.
 
+    The skip is decided from the gradients alone, before the update, as
+    PyTorch and jmp decide it: each leaf's new state and update are then a
+    select between the new and the old value, which XLA can fuse into the
+    update's writes into the donated buffers. :func:`jaxamp.low_precision_optimizer`
+    takes the decision into its own in-place writes (its layer-by-layer loop
+    included). What the wrapper still costs at the step's peak, per recipe and
+    compiler, is in ``benchmarks/RESULTS_MEMORY.md``. Finite gradients give
+    finite updates for optax's optimizers whose state is float32 or bfloat16
+    (the range of float32) and for :func:`jaxamp.low_precision_optimizer`.
+
     Args:
         inner: any optax ``GradientTransformation``.
+        check_updates: also skip a step whose *updates* are not finite although
+            its gradients were (an optimizer whose state can overflow, e.g.
+            float16 moments). The decision then needs every update before any
+            is written: the whole update tree and both inner states are alive
+            at once, about 2 to 8 bytes per parameter more at the step's peak.
 
     Returns:
         A ``GradientTransformationExtraArgs`` with state :class:`SkipNonFiniteState`;
@@ -119,6 +157,7 @@ def skip_nonfinite_updates(
             "GradientTransformation (e.g. optax.adam(1e-3)), got "
             f"{type(inner).__name__}."
         )
+    gated = _GATED_UPDATES.get(inner.update)
     inner = optax.with_extra_args_support(inner)
 
     def init(params):
@@ -127,13 +166,21 @@ def skip_nonfinite_updates(
         )
 
     def update(updates, state, params=None, **extra):
-        new_updates, new_inner = inner.update(
-            updates, state.inner_state, params, **extra
-        )
-        finite = all_finite(updates) & all_finite(new_updates)
-        zeros = jax.tree_util.tree_map(jnp.zeros_like, new_updates)
-        out = select_tree(finite, new_updates, zeros)
-        inner_state = select_tree(finite, new_inner, state.inner_state)
+        finite = all_finite(updates)  # the gradients: known before the update
+        if gated is not None and not check_updates:
+            # the optimizer selects inside its own in-place writes
+            out, inner_state = gated(
+                updates, state.inner_state, params, finite, **extra
+            )
+        else:
+            new_updates, new_inner = inner.update(
+                updates, state.inner_state, params, **extra
+            )
+            if check_updates:
+                finite = finite & all_finite(new_updates)
+            inner_state = select_tree(finite, new_inner, state.inner_state)
+            zeros = jax.tree_util.tree_map(jnp.zeros_like, new_updates)
+            out = select_tree(finite, new_updates, zeros)
         skipped = state.skipped_steps + (~finite).astype(jnp.int32)
         return out, SkipNonFiniteState(inner_state, skipped, finite)
 
