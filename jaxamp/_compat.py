@@ -378,45 +378,51 @@ def saved_residuals(fn: Callable, *args: Any, **kwargs: Any) -> list:
     return _saved(fn, *args, **kwargs)
 
 
-def dot_general_transpose_lhs(g: Any, lhs: Any, rhs: Any, dimension_numbers) -> Any:
-    """Cotangent of a ``dot_general``'s lhs (float32 result) for cotangent ``g``.
+def dot_general_transpose_lhs(
+    g: Any, lhs: Any, rhs: Any, dimension_numbers, out_dtype: Any = None
+) -> Any:
+    """Cotangent of a ``dot_general``'s lhs for cotangent ``g``, the product's
+    result in ``out_dtype`` (default float32).
 
-    JAX 0.10 / 0.11: lax's transpose rules are private; same signature in both.
+    JAX 0.10 to 0.12: lax's transpose rules are private; same signature in all.
     """
     from jax._src.lax import lax as _lax  # private
 
     return _lax._dot_general_transpose_lhs(
         g,
-        _Typed(lhs),
+        _Typed(lhs, out_dtype),
         rhs,
         dimension_numbers=dimension_numbers,
         precision=None,
-        preferred_element_type=jax.numpy.float32,
+        preferred_element_type=out_dtype or jax.numpy.float32,
         out_sharding=None,
     )
 
 
-def dot_general_transpose_rhs(g: Any, lhs: Any, rhs: Any, dimension_numbers) -> Any:
-    """Cotangent of a ``dot_general``'s rhs (float32 result); see above."""
+def dot_general_transpose_rhs(
+    g: Any, lhs: Any, rhs: Any, dimension_numbers, out_dtype: Any = None
+) -> Any:
+    """Cotangent of a ``dot_general``'s rhs (result in ``out_dtype``, default
+    float32); see above."""
     from jax._src.lax import lax as _lax  # private
 
     return _lax._dot_general_transpose_rhs(
         g,
         lhs,
-        _Typed(rhs),
+        _Typed(rhs, out_dtype),
         dimension_numbers=dimension_numbers,
         precision=None,
-        preferred_element_type=jax.numpy.float32,
+        preferred_element_type=out_dtype or jax.numpy.float32,
         out_sharding=None,
     )
 
 
 class _Typed:
-    """Stands in for the undefined primal of a transpose rule: its float32 aval
-    (the rule casts its result to that dtype)."""
+    """Stands in for the undefined primal of a transpose rule: its aval in
+    ``dtype`` (the rule casts its result to that dtype)."""
 
-    def __init__(self, x: Any):
-        self.aval = jax.typeof(x).update(dtype=jax.numpy.float32)
+    def __init__(self, x: Any, dtype: Any = None):
+        self.aval = jax.typeof(x).update(dtype=dtype or jax.numpy.float32)
 
 
 def nn_functions_module() -> Any:

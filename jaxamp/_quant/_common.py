@@ -30,6 +30,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from .. import _compat
 from .._base._dtypes import is_float, widest
 from .._policy._kinds import ImplementationRule
 from .._policy._lookup import builtin_rule
@@ -402,6 +403,21 @@ def eight_bit_rule(
     return ImplementationRule.with_context(rule)
 
 
+def narrowed(x: jax.Array, compute_dtype: Any) -> jax.Array:
+    """``x`` in a 16-bit compute dtype where it is wider (a float32 master
+    weight), for an 8-bit product: quantized from there, as the compute-dtype
+    step reads it. The cast is a plain ``convert_element_type``, which the scan
+    rule hoists before the loop (``_walk/_scan_hoist.py``: one cast per step
+    and a compute-dtype gradient stack, not a float32 master weight read for
+    the amax, the quantization and the recompute at every use); the operand's
+    gradient comes back in its own dtype. The 8-bit rounding (``2**-4`` for
+    E4M3) dwarfs bfloat16's (``2**-9``)."""
+    cd = np.dtype(compute_dtype)
+    if cd.itemsize == 2 and np.dtype(x.dtype).itemsize > cd.itemsize:
+        return x.astype(cd)
+    return x
+
+
 def compute_dtype_dot(
     compute_dtype: Any,
     lhs: jax.Array,
@@ -427,12 +443,39 @@ def compute_dtype_dot(
 
     def run(a, b):
         a, b = (x.astype(cd) if is_float(x.dtype) else x for x in (a, b))
+        if out.itemsize > cd.itemsize and is_float(a.dtype) and is_float(b.dtype):
+            return _wide_result_dot(a, b, new_params, cd)
         return jax.lax.dot_general_p.bind(a, b, **new_params)
 
     with jax.named_scope(SMALL_SCOPE):
         if any(f.itemsize > cd.itemsize for f in floats):
             return jax.checkpoint(run)(lhs, rhs)
         return run(lhs, rhs)
+
+
+def _wide_result_dot(a, b, params: dict, compute_dtype: Any) -> jax.Array:
+    """``dot_general`` of compute-dtype operands with a wider result (the
+    head's float32 logits), whose backward products take the cotangent in the
+    compute dtype with compute-dtype results, as the default rule's do: a
+    float32 cotangent would make them float32 x float32 GEMMs (TF32 on a GPU)."""
+    dn = params["dimension_numbers"]
+
+    @jax.custom_vjp
+    def dot(a, b):
+        return jax.lax.dot_general_p.bind(a, b, **params)
+
+    def fwd(a, b):
+        return dot(a, b), (a, b)
+
+    def bwd(res, g):
+        a, b = res
+        g = g.astype(compute_dtype)
+        da = _compat.dot_general_transpose_lhs(g, a, b, dn, compute_dtype)
+        db = _compat.dot_general_transpose_rhs(g, a, b, dn, compute_dtype)
+        return da.astype(a.dtype), db.astype(b.dtype)
+
+    dot.defvjp(fwd, bwd)
+    return dot(a, b)
 
 
 def scoped_policy(

@@ -56,6 +56,7 @@ from .._base._dtypes import is_float
 from ._common import (
     check_size_rule,
     eight_bit_rule,
+    narrowed,
     scoped_policy,
     torchao_tensorwise_size_rule,
 )
@@ -122,6 +123,28 @@ def _unscale(out: jax.Array, scale_a: jax.Array, scale_b: jax.Array) -> jax.Arra
     return out * (np.float32(1) / scale_a) * (np.float32(1) / scale_b)
 
 
+def _scaled_gemm(product: Any, qa, sa, qb, sb, out_dtype) -> jax.Array:
+    """``product(qa, qb, preferred_element_type)`` of two 8-bit operands,
+    unscaled by their per-tensor scales ``sa`` and ``sb`` (``q = x * s``), in
+    ``out_dtype``.
+
+    For a 16-bit ``out_dtype`` the product's result is ``out_dtype`` itself and
+    the two inverse scales, multiplied in float32, are one scalar multiply on
+    it: the pattern XLA's GEMM rewriter folds into the cuBLASLt FP8 call
+    (``__cublas$lt$matmul$f8`` with a bf16 result and its scale operand), so no
+    float32 result is written and no kernel rescales it (NVIDIA, "Using FP8
+    with Transformer Engine"; openxla ``gemm_rewriter``). The scalar is
+    rounded to ``out_dtype`` (relative error at most ``2**-9`` for bfloat16,
+    the same for every element, below the result's own rounding). A float32
+    ``out_dtype`` keeps a float32 result, unscaled one factor at a time.
+    """
+    dt = np.dtype(out_dtype)
+    if dt.itemsize == 2:
+        inv = (np.float32(1) / sa) * (np.float32(1) / sb)
+        return product(qa, qb, dt) * inv.astype(dt)
+    return _unscale(product(qa, qb, jnp.float32), sa, sb).astype(dt)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
 def fp8_dot_general(
     lhs: jax.Array,
@@ -184,24 +207,39 @@ def _fp8_fwd(lhs, rhs, dimension_numbers, out_dtype, margin, power_of_two, forma
     fmt = _float_format(format, "fp8_dot_general(format)")
     lq, ls = _per_tensor(lhs, fmt, margin, power_of_two)
     rq, rs = _per_tensor(rhs, fmt, margin, power_of_two)
-    out = jax.lax.dot_general(
-        lq, rq, dimension_numbers, preferred_element_type=jnp.float32
+    product = lambda a, b, dt: jax.lax.dot_general(  # noqa: E731
+        a, b, dimension_numbers, preferred_element_type=dt
     )
-    out = _unscale(out, ls, rs).astype(out_dtype)
+    out = _scaled_gemm(product, lq, ls, rq, rs, out_dtype)
     # Empty arrays carry the operand dtypes (residuals must be arrays).
     return out, (lq, ls, rq, rs, jnp.zeros(0, lhs.dtype), jnp.zeros(0, rhs.dtype))
 
 
 def _fp8_bwd(dimension_numbers, out_dtype, margin, power_of_two, format, res, g):
-    del out_dtype
     lq, ls, rq, rs, ldt, rdt = res
     grad = _float_format(format, "fp8_dot_general(format)").grad_format
     gq, gs = _per_tensor(g, grad, margin, power_of_two)
-    dl = _compat.dot_general_transpose_lhs(gq, lq, rq, dimension_numbers)
-    dr = _compat.dot_general_transpose_rhs(gq, lq, rq, dimension_numbers)
-    return _unscale(dl, gs, rs).astype(ldt.dtype), _unscale(dr, ls, gs).astype(
-        rdt.dtype
-    )
+    dn = dimension_numbers
+
+    # Each gradient GEMM's result in the forward's result dtype (the compute
+    # dtype: bf16 gradients, as the bf16 step's), then the operand's dtype.
+    def dl_product(a, b, dt):
+        return _compat.dot_general_transpose_lhs(a, lq, b, dn, dt)
+
+    def dr_product(a, b, dt):
+        return _compat.dot_general_transpose_rhs(a, b, rq, dn, dt)
+
+    gdt = _grad_dtype(out_dtype, ldt.dtype, rdt.dtype)
+    dl = _scaled_gemm(dl_product, gq, gs, rq, rs, gdt).astype(ldt.dtype)
+    dr = _scaled_gemm(dr_product, gq, gs, lq, ls, gdt).astype(rdt.dtype)
+    return dl, dr
+
+
+def _grad_dtype(out_dtype, *operand_dtypes) -> np.dtype:
+    """The gradient GEMMs' result dtype: the forward result's where it is
+    16-bit (the compute dtype), else float32."""
+    dt = np.dtype(out_dtype)
+    return dt if dt.itemsize == 2 else np.dtype(np.float32)
 
 
 fp8_dot_general.defvjp(_fp8_fwd, _fp8_bwd)
@@ -261,6 +299,8 @@ def fp8_rule(
 
     def quantized(lhs, rhs, dn, compute_dtype):
         dtype = np.dtype(compute_dtype if out_dtype is None else out_dtype)
+        # Per-tensor scales treat both operands alike: both are narrowed.
+        lhs, rhs = (narrowed(x, compute_dtype) for x in (lhs, rhs))
         return fp8_dot_general(lhs, rhs, dn, dtype, margin, power_of_two, fmt)
 
     size_rule = check_size_rule(size_rule, "fp8_rule")
