@@ -14,15 +14,9 @@ import optax
 
 from .. import _compat
 from . import _chunked, _in_place
-from ._optax import gate_tree, register_gated_update
-from ._rounding import (
-    BlockQuantized,
-    dequantize_blockwise,
-    noise_bits,
-    quantize_blockwise,
-    round_nearest_bf16,
-    round_stochastic_bf16,
-)
+from ._optax import gate_count, gate_tree, register_gated_update
+from ._rounding import StateCodec as _Codec
+from ._rounding import noise_bits, round_nearest_bf16, round_stochastic_bf16
 
 PyTree = Any
 _ROUNDINGS = ("stochastic", "kahan", "nearest")
@@ -197,70 +191,6 @@ def low_precision_optimizer(
     return _wrap(optax.with_extra_args_support(tx), codec)
 
 
-class _Codec(NamedTuple):
-    """How the wrapper rounds and stores: the validated arguments."""
-
-    rounding: str
-    state_kind: Any  # None, "bfloat16" or "int8"
-    seed: int
-    min_size: int
-    block_size: int
-    # When stacked leaves are updated one slice at a time: "int8" (with int8
-    # state, whose decoded float32 moments would otherwise exist for whole
-    # leaves), "always" or "never" (the two are bit-identical; tests).
-    slices: str = "int8"
-
-    def state_round(self, x, step, stream, offset=0):
-        if self.rounding == "nearest":
-            return round_nearest_bf16(x)
-        bits = noise_bits(x.shape, self.seed, step, stream, offset)
-        return round_stochastic_bf16(x, bits)
-
-    def encode_leaf(self, x, kind, step, stream, offset=0):
-        """One float32 state buffer (or a slice of rows of it starting at
-        flat index ``offset``) stored as ``kind`` says."""
-        if kind == "int8":
-            return quantize_blockwise(x, self.block_size)
-        if kind == "bfloat16":
-            return self.state_round(x, step, stream, offset)
-        return x
-
-    def encode(self, state32, plan, step):
-        """The float32 inner state stored as ``plan`` says (streams 2i + 1)."""
-        leaves, sdef = jax.tree_util.tree_flatten(state32)
-        kinds = jax.tree_util.tree_leaves(plan)
-        out = [
-            self.encode_leaf(x, k, step, 2 * i + 1)
-            for i, (x, k) in enumerate(zip(leaves, kinds))
-        ]
-        return jax.tree_util.tree_unflatten(sdef, out)
-
-    def decode_leaf(self, t, s):
-        """A stored buffer (or slice) in the dtype of template leaf ``t``."""
-        if isinstance(s, BlockQuantized):
-            return dequantize_blockwise(s, self.block_size).astype(t.dtype)
-        return s.astype(t.dtype) if hasattr(s, "astype") else s
-
-    def decode(self, stored, template):
-        """The stored inner state in ``template``'s dtypes."""
-        return jax.tree_util.tree_map(
-            self.decode_leaf,
-            template,
-            stored,
-            is_leaf=lambda x: isinstance(x, BlockQuantized),
-        )
-
-
-def _gate_update(gate, d):
-    """An update, zero where ``gate`` is False (a skipped step)."""
-    return d if gate is None else jnp.where(gate, d, jnp.zeros_like(d))
-
-
-def _next_count(count, gate):
-    """The step count after an update (unchanged where ``gate`` is False)."""
-    return count + (1 if gate is None else gate.astype(count.dtype))
-
-
 def _to32(tree, params):
     return jax.tree_util.tree_map(
         lambda x, p: x.astype(jnp.float32) if _is_bf16(p) else x, tree, params
@@ -322,7 +252,7 @@ def _wrap(inner, codec: _Codec) -> optax.GradientTransformationExtraArgs:
                 zip(leaves, pdef.flatten_up_to(u32), pdef.flatten_up_to(comp))
             )
         ]
-        d_out = [_gate_update(gate, o[0]) for o in outs]
+        d_out = [gate_tree(gate, o[0], jnp.zeros_like(o[0])) for o in outs]
         stored = _in_place.read_before_write(
             d_out, state.inner_state, template, params, state.count
         )
@@ -334,7 +264,7 @@ def _wrap(inner, codec: _Codec) -> optax.GradientTransformationExtraArgs:
             gate, codec.encode(new32, plan, state.count), state.inner_state
         )
         return pdef.unflatten(d_out), LowPrecisionState(
-            _next_count(state.count, gate), new_state, new_comp
+            gate_count(state.count, gate), new_state, new_comp
         )
 
     register_gated_update(update, gated_update)
@@ -612,7 +542,11 @@ def _update_in_slices(
             _write(p, whole[j], c, codec.rounding, codec.seed, count, 2 * j)
             for j, (p, c) in enumerate(zip(p_leaves, lay.c))
         ]
-        return [_gate_update(gate, o[0]) for o in outs], s_out, [o[1] for o in outs]
+        return (
+            [gate_tree(gate, o[0], jnp.zeros_like(o[0])) for o in outs],
+            s_out,
+            [o[1] for o in outs],
+        )
 
     args = (lay.g, lay.s, lay.p, lay.e)
     try:
@@ -624,5 +558,5 @@ def _update_in_slices(
     if codec.rounding == "kahan":
         new_comp = gate_tree(gate, lay.pdef.unflatten(c_out), state.compensation)
     return lay.pdef.unflatten(d_out), LowPrecisionState(
-        _next_count(count, gate), lay.tdef.unflatten(s_out), new_comp
+        gate_count(count, gate), lay.tdef.unflatten(s_out), new_comp
     )

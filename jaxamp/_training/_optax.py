@@ -99,6 +99,11 @@ def gate_tree(gate: Any, new: PyTree, old: PyTree) -> PyTree:
     return jax.tree_util.tree_map(lambda n, o: jnp.where(gate, n, o), new, old)
 
 
+def gate_count(count: jax.Array, gate: Any) -> jax.Array:
+    """A step count after an update: unchanged where ``gate`` is False."""
+    return count + (1 if gate is None else gate.astype(count.dtype))
+
+
 class SkipNonFiniteState(NamedTuple):
     """State of :func:`skip_nonfinite_updates`.
 

@@ -15,7 +15,7 @@ hash and the index are the codec's (``_base/_codec.py``), as is the block-wise
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -214,3 +214,59 @@ def quantize_blockwise(x: jax.Array, block_size: int) -> BlockQuantized:
 def dequantize_blockwise(q: BlockQuantized, block_size: int) -> jax.Array:
     """Float32 values of a :class:`BlockQuantized` buffer (its codes' shape)."""
     return _dequantize(q.codes, q.scales, _recipe(block_size))
+
+
+class StateCodec(NamedTuple):
+    """How :func:`jaxamp.low_precision_optimizer` rounds and stores its state:
+    its validated arguments, and the encoding of float32 state buffers as
+    bfloat16 (rounded) or block-wise int8 codes."""
+
+    rounding: str
+    state_kind: Any  # None, "bfloat16" or "int8"
+    seed: int
+    min_size: int
+    block_size: int
+    # When stacked leaves are updated one slice at a time: "int8" (with int8
+    # state, whose decoded float32 moments would otherwise exist for whole
+    # leaves), "always" or "never" (the two are bit-identical; tests).
+    slices: str = "int8"
+
+    def state_round(self, x, step, stream, offset=0):
+        if self.rounding == "nearest":
+            return round_nearest_bf16(x)
+        bits = noise_bits(x.shape, self.seed, step, stream, offset)
+        return round_stochastic_bf16(x, bits)
+
+    def encode_leaf(self, x, kind, step, stream, offset=0):
+        """One float32 state buffer (or a slice of rows of it starting at
+        flat index ``offset``) stored as ``kind`` says."""
+        if kind == "int8":
+            return quantize_blockwise(x, self.block_size)
+        if kind == "bfloat16":
+            return self.state_round(x, step, stream, offset)
+        return x
+
+    def encode(self, state32, plan, step):
+        """The float32 inner state stored as ``plan`` says (streams 2i + 1)."""
+        leaves, sdef = jax.tree_util.tree_flatten(state32)
+        kinds = jax.tree_util.tree_leaves(plan)
+        out = [
+            self.encode_leaf(x, k, step, 2 * i + 1)
+            for i, (x, k) in enumerate(zip(leaves, kinds))
+        ]
+        return jax.tree_util.tree_unflatten(sdef, out)
+
+    def decode_leaf(self, t, s):
+        """A stored buffer (or slice) in the dtype of template leaf ``t``."""
+        if isinstance(s, BlockQuantized):
+            return dequantize_blockwise(s, self.block_size).astype(t.dtype)
+        return s.astype(t.dtype) if hasattr(s, "astype") else s
+
+    def decode(self, stored, template):
+        """The stored inner state in ``template``'s dtypes."""
+        return jax.tree_util.tree_map(
+            self.decode_leaf,
+            template,
+            stored,
+            is_leaf=lambda x: isinstance(x, BlockQuantized),
+        )
