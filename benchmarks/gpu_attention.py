@@ -70,6 +70,8 @@ SIZES = {  # d_model, layers, seq, batch, heads, vocab
     "gpt2048": (2048, 8, 512, 16, 16, 8192),
     # matmul-dominated (attention 2% of the FLOPs): gpu_suite.py's 8-bit part
     "gpt4096": (4096, 4, 512, 8, 32, 8192),
+    # the same at 16k tokens a step (batch 32): Transformer Engine's FP8 regime
+    "gpt4096_16k": (4096, 4, 512, 32, 32, 8192),
 }
 PEAK = 989e12  # H100 SXM dense bf16 FLOP/s (datasheet)
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32

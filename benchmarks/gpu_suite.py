@@ -20,6 +20,10 @@ runs) skip the rest with a reason once the budget runs out inside them.
    against float32, and the share of matmul FLOPs that ran in 8 bits
    (``jaxamp.tools.eight_bit_flop_share``). Never measured on a GPU before: the
    README's "8-bit at or above bf16's speed where it pays".
+1c. ``gemm_probe`` (~30 s): one GEMM on operands already in its dtype, bf16
+   against FP8 (E4M3 -> bf16 with a scale) and s8 (-> s32), at 8192^3 and at
+   gpt4096's four per-layer shapes: TFLOP/s and ratios (the s8 rate on an H100
+   decides whether int8 can pay there).
 2. ``gpt1024`` (~120 s): the gpt1024 training step of ``gpu_attention.py``
    (d_model 1024, 12 layers, seq 1024, batch 8): fp32, jaxamp bf16, hand-written
    bf16 with cuDNN attention, jmp, mpx; interleaved timing (median of 5 rounds
@@ -47,6 +51,10 @@ runs) skip the rest with a reason once the budget runs out inside them.
    jaxamp bf16 against the hand-written bf16 model (cuDNN attention; the XLA
    attention where the backend has no cuDNN), caches cleared before each,
    interleaved, median of 2 repeats.
+7. ``eight_bit_16k`` (~150 s): part 1 at 16k tokens a step (``gpt4096_16k``,
+   batch 32), where Transformer Engine reports FP8's 1.55x; last, so a run on
+   the default budget reaches it only when the parts before ran fast (give it
+   ``--parts eight_bit_16k`` or a larger ``--budget-s``).
 
 Budget: ``--budget-s`` (default 450 s), counted from the interpreter's start
 (JAX's import and start included). A part starts only if its estimate fits in
@@ -217,10 +225,19 @@ EIGHT_BIT_COLUMNS = [
 
 
 def part_eight_bit(dry_run: bool, budget: Budget) -> dict:
-    """Part 1: :func:`eight_bit_variants` through ``gpu_attention.measure``
+    """Part 1: :func:`eight_bit_variants` at gpt4096 (4k tokens a step)."""
+    return eight_bit_rows("tiny" if dry_run else "gpt4096", dry_run)
+
+
+def part_eight_bit_16k(dry_run: bool, budget: Budget) -> dict:
+    """Part 1b: the same at 16k tokens a step (``gpt4096_16k``, batch 32)."""
+    return eight_bit_rows("tiny" if dry_run else "gpt4096_16k", dry_run)
+
+
+def eight_bit_rows(size: str, dry_run: bool) -> dict:
+    """:func:`eight_bit_variants` of ``size`` through ``gpu_attention.measure``
     (interleaved timing, errors against float32) plus each variant's 8-bit FLOP
     share of its gradient jaxpr and its speed against bf16."""
-    size = "tiny" if dry_run else "gpt4096"
     steps, rounds = (1, 1) if dry_run else (10, 5)
     found = eight_bit_variants(size, dry_run)
     rows = ga.measure(size, steps, rounds, found=found)
@@ -241,6 +258,80 @@ def part_eight_bit(dry_run: bool, budget: Budget) -> dict:
     )
     md = [ga.size_heading(size), "", note, "", *ga.table(rows, EIGHT_BIT_COLUMNS)]
     return {"size": size, "rows": rows, "md": md}
+
+
+# --- 1c. one GEMM: bf16 against FP8 and s8 ------------------------------------
+
+# (M, K, N) of the probe: 8192^3 and gpt4096's four per-layer products at 4k tokens
+GEMM_SHAPES = [(8192, 8192, 8192), (4096, 4096, 12288), (4096, 4096, 4096),
+               (4096, 4096, 16384), (4096, 16384, 4096)]  # fmt: skip
+GEMM_COLUMNS = [  # the table's first column ("variant") is the shape M x K x N
+    ("bf16 TFLOP/s", "bf16_tflops", "{:.0f}"),
+    ("FP8 TFLOP/s", "fp8_tflops", "{:.0f}"),
+    ("s8 TOP/s", "s8_tflops", "{:.0f}"),
+    ("FP8 / bf16", "fp8_vs_bf16", "{:.2f}x"),
+    ("s8 / bf16", "s8_vs_bf16", "{:.2f}x"),
+]
+
+
+def gemm_products() -> dict[str, Callable]:
+    """The three GEMMs of the probe on operands already in their dtype: bf16 x
+    bf16 -> bf16; E4M3 x E4M3 -> bf16 times a float32 scale (the pattern XLA
+    folds into one cuBLASLt FP8 call, as ``jaxamp.quant.fp8_dot_general``
+    binds it); s8 x s8 -> s32 (what ``jaxamp.int8_policy`` binds)."""
+    nn = (((1,), (0,)), ((), ()))
+    dot = jax.lax.dot_general
+    return {
+        "bf16": lambda a, b, s: dot(a, b, nn, preferred_element_type=BF16),
+        "fp8": lambda a, b, s: (
+            dot(a, b, nn, preferred_element_type=BF16) * s.astype(BF16)
+        ),
+        "s8": lambda a, b, s: dot(a, b, nn, preferred_element_type=jnp.int32),
+    }
+
+
+def part_gemm_probe(dry_run: bool, budget: Budget) -> dict:
+    """Part 1c: the rate of one bf16, FP8 and s8 GEMM at :data:`GEMM_SHAPES`
+    (median of 5 rounds of 20 calls each, the three interleaved): the s8
+    rate on an H100 has never been measured, and int8's size rule needs it."""
+    shapes = [(64, 64, 64)] if dry_run else GEMM_SHAPES
+    reps, rounds = (2, 1) if dry_run else (20, 5)
+    dtypes = {"bf16": BF16, "fp8": jnp.float8_e4m3fn, "s8": jnp.int8}
+    rows = []
+    for m, k, n in shapes:
+        key = jax.random.key(m + k + n)
+        a32 = jax.random.normal(key, (m, k), jnp.float32)
+        b32 = jax.random.normal(jax.random.fold_in(key, 1), (k, n), jnp.float32)
+        scale = jnp.asarray(1.0, jnp.float32)
+        fns, args = {}, {}
+        for name, fn in gemm_products().items():
+            dt = dtypes[name]
+            args[name] = (a32.astype(dt), b32.astype(dt), scale)
+            fns[name] = jax.jit(fn)
+            jax.block_until_ready(fns[name](*args[name]))  # compile
+        times = {name: [] for name in fns}
+        for _ in range(rounds):
+            for name, fn in fns.items():
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    out = fn(*args[name])
+                jax.block_until_ready(out)
+                times[name].append((time.perf_counter() - t0) / reps)
+        row = {"variant": f"{m} x {k} x {n}", "shape": [m, k, n]}
+        flops = 2 * m * k * n
+        for name in fns:
+            row[f"{name}_tflops"] = flops / statistics.median(times[name]) / 1e12
+        for name in ("fp8", "s8"):
+            row[f"{name}_vs_bf16"] = row[f"{name}_tflops"] / row["bf16_tflops"]
+        rows.append(row)
+    md = [
+        "One GEMM on operands already in its dtype (no quantization), jitted; "
+        f"median of {rounds} interleaved rounds of {reps} calls. FP8: E4M3 x E4M3 "
+        "-> bf16 times a float32 scale; s8: s8 x s8 -> s32.",
+        "",
+        *ga.table(rows, GEMM_COLUMNS),
+    ]
+    return {"rows": rows, "md": md}
 
 
 # --- 2. the gpt1024 step --------------------------------------------------------
@@ -626,6 +717,8 @@ def part_precision(dry_run: bool, budget: Budget) -> dict:
 PARTS = [
     Part("eight_bit", "FP8 and int8 against bf16 (matmul-dominated GPT)",
          part_eight_bit, (130, 12)),
+    Part("gemm_probe", "One GEMM: bf16 against FP8 and s8",
+         part_gemm_probe, (30, 4)),
     Part("gpt1024", "The gpt1024 training step", part_gpt1024, (120, 12)),
     Part("memory", "Peak bytes per added parameter of the training step",
          part_memory, (60, 12)),
@@ -635,6 +728,8 @@ PARTS = [
          part_fp16_run, (40, 8)),
     Part("compile", "Compile time against the hand-written model",
          part_compile, (40, 6)),
+    Part("eight_bit_16k", "FP8 and int8 against bf16 at 16k tokens a step",
+         part_eight_bit_16k, (150, 12)),
 ]  # fmt: skip
 
 

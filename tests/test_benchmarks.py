@@ -214,7 +214,16 @@ def test_cross_replica_bn_benchmark_tiny(tmp_path, capsys):
     assert rows["fp32 vmap"]["median"] < 1e-5
 
 
-SUITE_PARTS = ["eight_bit", "gpt1024", "memory", "precision", "fp16_run", "compile"]
+SUITE_PARTS = [
+    "eight_bit",
+    "gemm_probe",
+    "gpt1024",
+    "memory",
+    "precision",
+    "fp16_run",
+    "compile",
+    "eight_bit_16k",
+]
 
 
 @pytest.mark.slow
@@ -245,6 +254,13 @@ def test_gpu_suite_dry_run(tmp_path):
     for name, p in parts.items():
         assert "error" not in p and p["seconds"] > 0, (name, p)
         assert f"(`{name}`," in md
+
+    gemm = parts["gemm_probe"]["rows"]
+    assert [r["shape"] for r in gemm] == [[64, 64, 64]]
+    for key in ("bf16_tflops", "fp8_tflops", "s8_tflops", "fp8_vs_bf16"):
+        assert gemm[0][key] > 0, (key, gemm)
+    sixteen = [r["variant"] for r in parts["eight_bit_16k"]["rows"]]
+    assert sixteen == ["fp32", "jaxamp bf16", "jaxamp int8", "jaxamp fp8"]
 
     eight = {r["variant"]: r for r in parts["eight_bit"]["rows"]}
     assert list(eight) == ["fp32", "jaxamp bf16", "jaxamp int8", "jaxamp fp8"]

@@ -58,7 +58,7 @@ def test_policy_single_dtype_and_errors():
     with pytest.raises(ValueError, match="Unknown policy entry 'q=f32'"):
         jaxamp.migration.jmp.get_policy("p=f32,q=f32")
     with pytest.raises(ValueError, match="compute_dtype must be a floating"):
-        jaxamp.migration.jmp.Policy(F32, jnp.int8, F32)
+        jaxamp.migration.jmp.Policy(F32, jnp.int32, F32)
     with pytest.raises(ValueError, match="not a known floating-point dtype"):
         jaxamp.migration.jmp.get_policy("p=f33")
 
