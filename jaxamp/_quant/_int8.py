@@ -92,11 +92,9 @@ from ._common import (
     check_size_rule,
     dgrad,
     eight_bit_rule,
-    narrowed,
     scoped_policy,
     torchao_rowwise_size_rule,
     weight_last,
-    weight_operand,
     wgrad,
 )
 
@@ -437,11 +435,7 @@ def int8_rule(
 
     def quantized(lhs, rhs, dn, compute_dtype):
         seed = seed_source()
-        # The weight is told by what the operands hold (their storage dtype
-        # among it), then both are narrowed, as the FP8 rule narrows them.
-        w = weight_operand(lhs, rhs, dn) if weight == "auto" else weight
-        lhs, rhs = (narrowed(x, compute_dtype) for x in (lhs, rhs))
-        return _weight_last_dot(lhs, rhs, seed, dn, compute_dtype, recipe, w)
+        return _weight_last_dot(lhs, rhs, seed, dn, compute_dtype, recipe, weight)
 
     name = f"int8_rule({recipe})"
     return eight_bit_rule(
