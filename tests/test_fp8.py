@@ -448,3 +448,45 @@ def test_fp8_residuals_are_the_float8_operands():
     # bf16 activation copy (2 bytes) -> E4M3 (1 byte), plus the E4M3 weight
     # and two float32 scales.
     assert res8 == res16 - 1024 * 128 + 128 * 128 + 8
+
+
+def test_fp8_products_return_bf16_and_read_bf16_weights():
+    # Every FP8 product (forward, input and weight gradients) asks for a bf16
+    # result, the pattern XLA folds into one cuBLASLt FP8 call with its scales;
+    # the float32 weights are cast to bf16 before they are quantized.
+    @jax.checkpoint
+    def layer(h, w):
+        return jnp.tanh(h @ w) @ w, None
+
+    def model(ws, x):  # checkpointed layers: their weight casts leave the loop
+        return jnp.square(lax.scan(layer, x, ws)[0]).mean()
+
+    f = jaxamp.amp(model, compute_dtype=BF16, amp_policy=FP8_ALL)
+    closed = jax.make_jaxpr(jax.grad(f))(WS, X)
+    outs, stacks = [], []
+    for eqn, _ in jaxamp.tools.iter_equations(closed):
+        if eqn.primitive.name == "dot_general":
+            outs.append(np.dtype(eqn.outvars[0].aval.dtype))
+        if eqn.primitive.name == "scan":  # the stacked weights and their gradients
+            avals = [v.aval for v in (*eqn.invars, *eqn.outvars)]
+            stacks += [np.dtype(a.dtype) for a in avals if a.shape == WS.shape]
+    assert outs and all(o == BF16 for o in outs), outs
+    # the forward and backward loops read (and the backward writes) bf16 weights
+    assert stacks and all(d == BF16 for d in stacks), stacks
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float16])
+def test_fp8_product_holds_results_whose_unscaled_sum_overflows_float16(out_dtype):
+    # Constant operands quantize to 448 each: the unscaled product is
+    # 256 * 448**2 = 5.1e7, past float16's 65504; the result, 256 * 3 * 5, is not.
+    x, w = jnp.full((8, 256), 3.0), jnp.full((256, 8), 5.0)
+    nn = (((1,), (0,)), ((), ()))
+    fp8 = jaxamp.quant.fp8_dot_general
+    out = jax.jit(fp8, static_argnums=(2, 3))(x, w, nn, out_dtype)
+    assert out.dtype == np.dtype(out_dtype)
+    np.testing.assert_allclose(np.asarray(out, np.float32), 3840.0, rtol=2**-7)
+    gx, gw = jax.grad(lambda a, b: fp8(a, b, nn, out_dtype).astype(F32).sum(), (0, 1))(
+        x, w
+    )
+    np.testing.assert_allclose(np.asarray(gx), 5.0 * 8, rtol=2**-6)  # sum over w's rows
+    np.testing.assert_allclose(np.asarray(gw), 3.0 * 8, rtol=2**-6)

@@ -404,16 +404,18 @@ def eight_bit_rule(
 
 
 def narrowed(x: jax.Array, compute_dtype: Any) -> jax.Array:
-    """``x`` in a 16-bit compute dtype where it is wider (a float32 master
+    """``x`` in a bfloat16 compute dtype where it is wider (a float32 master
     weight), for an 8-bit product: quantized from there, as the compute-dtype
     step reads it. The cast is a plain ``convert_element_type``, which the scan
-    rule hoists before the loop (``_walk/_scan_hoist.py``: one cast per step
-    and a compute-dtype gradient stack, not a float32 master weight read for
-    the amax, the quantization and the recompute at every use); the operand's
+    rule hoists before the loop where only products read the weight inside a
+    ``jax.checkpoint`` (``_walk/_scan_hoist.py``: one cast per step and a
+    compute-dtype gradient stack, not a float32 master weight read for the
+    amax, the quantization and the recompute at every use); the operand's
     gradient comes back in its own dtype. The 8-bit rounding (``2**-4`` for
-    E4M3) dwarfs bfloat16's (``2**-9``)."""
+    E4M3) dwarfs bfloat16's (``2**-9``). A float16 compute dtype leaves ``x``
+    as it is (a float32 activation may exceed float16's range)."""
     cd = np.dtype(compute_dtype)
-    if cd.itemsize == 2 and np.dtype(x.dtype).itemsize > cd.itemsize:
+    if cd == np.dtype(jax.numpy.bfloat16) and np.dtype(x.dtype).itemsize > 2:
         return x.astype(cd)
     return x
 

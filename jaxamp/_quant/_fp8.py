@@ -128,18 +128,20 @@ def _scaled_gemm(product: Any, qa, sa, qb, sb, out_dtype) -> jax.Array:
     unscaled by their per-tensor scales ``sa`` and ``sb`` (``q = x * s``), in
     ``out_dtype``.
 
-    For a 16-bit ``out_dtype`` the product's result is ``out_dtype`` itself and
+    For a bfloat16 ``out_dtype`` the product's result is bfloat16 itself and
     the two inverse scales, multiplied in float32, are one scalar multiply on
     it: the pattern XLA's GEMM rewriter folds into the cuBLASLt FP8 call
     (``__cublas$lt$matmul$f8`` with a bf16 result and its scale operand), so no
     float32 result is written and no kernel rescales it (NVIDIA, "Using FP8
     with Transformer Engine"; openxla ``gemm_rewriter``). The scalar is
     rounded to ``out_dtype`` (relative error at most ``2**-9`` for bfloat16,
-    the same for every element, below the result's own rounding). A float32
-    ``out_dtype`` keeps a float32 result, unscaled one factor at a time.
+    the same for every element, below the result's own rounding). Other
+    dtypes take a float32 result, unscaled one factor at a time, then cast:
+    float16 could not hold the unscaled product (up to ``448**2`` per term)
+    wherever XLA does not fold the scale into the GEMM.
     """
     dt = np.dtype(out_dtype)
-    if dt.itemsize == 2:
+    if dt == np.dtype(jnp.bfloat16):
         inv = (np.float32(1) / sa) * (np.float32(1) / sb)
         return product(qa, qb, dt) * inv.astype(dt)
     return _unscale(product(qa, qb, jnp.float32), sa, sb).astype(dt)
@@ -221,25 +223,26 @@ def _fp8_bwd(dimension_numbers, out_dtype, margin, power_of_two, format, res, g)
     gq, gs = _per_tensor(g, grad, margin, power_of_two)
     dn = dimension_numbers
 
-    # Each gradient GEMM's result in the forward's result dtype (the compute
-    # dtype: bf16 gradients, as the bf16 step's), then the operand's dtype.
+    # Each gradient GEMM's result in bf16 where the forward's is (bf16
+    # gradients, as the bf16 step's), then the operand's dtype.
     def dl_product(a, b, dt):
         return _compat.dot_general_transpose_lhs(a, lq, b, dn, dt)
 
     def dr_product(a, b, dt):
         return _compat.dot_general_transpose_rhs(a, b, rq, dn, dt)
 
-    gdt = _grad_dtype(out_dtype, ldt.dtype, rdt.dtype)
+    gdt = _grad_dtype(out_dtype)
     dl = _scaled_gemm(dl_product, gq, gs, rq, rs, gdt).astype(ldt.dtype)
     dr = _scaled_gemm(dr_product, gq, gs, lq, ls, gdt).astype(rdt.dtype)
     return dl, dr
 
 
-def _grad_dtype(out_dtype, *operand_dtypes) -> np.dtype:
-    """The gradient GEMMs' result dtype: the forward result's where it is
-    16-bit (the compute dtype), else float32."""
+def _grad_dtype(out_dtype) -> np.dtype:
+    """The gradient GEMMs' result dtype: bfloat16 where the forward's result is
+    (the compute dtype, with float32's range), else float32 (a float16 weight
+    gradient, summed over every token, can exceed float16's range)."""
     dt = np.dtype(out_dtype)
-    return dt if dt.itemsize == 2 else np.dtype(np.float32)
+    return dt if dt == np.dtype(jnp.bfloat16) else np.dtype(np.float32)
 
 
 fp8_dot_general.defvjp(_fp8_fwd, _fp8_bwd)
