@@ -9,9 +9,10 @@ training with dynamic scaling, https://github.com/pytorch/ao/tree/main/torchao/f
 
 * forward: each operand is scaled by ``fp8_max / amax / 2**margin`` (``amax``
   its current absolute maximum) and cast to real ``float8_e4m3fn`` arrays;
-  ``dot_general`` runs on the float8 operands with a float32 result, which is
-  multiplied by the inverse scales (one at a time, so their product cannot
-  overflow) and cast to the compute dtype;
+  ``dot_general`` runs on the float8 operands with a bfloat16 result times the
+  product of the inverse scales (one cuBLASLt FP8 call on a GPU,
+  :func:`_scaled_gemm`), or, for other result dtypes, with a float32 result
+  multiplied by the inverse scales one at a time and cast;
 * backward (``jax.custom_vjp``): the incoming gradient is scaled the same way
   and cast to ``float8_e5m2``; both gradient products are E5M2 x E4M3 (never
   E5M2 x E5M2, which cuBLASLt lacks); the float8 operands are the saved
@@ -161,8 +162,9 @@ def fp8_dot_general(
 
     Forward: ``lhs`` and ``rhs`` are quantized to ``float8_e4m3fn`` with
     per-tensor current scales (:func:`quantize`), multiplied by
-    ``lax.dot_general`` on the float8 arrays with a float32 result, and the
-    result is multiplied by the two inverse scales. Backward (``jax.grad``,
+    ``lax.dot_general`` on the float8 arrays, and the result is multiplied by
+    the two inverse scales (a bfloat16 result for a bfloat16 ``out_dtype``,
+    else float32; :func:`_scaled_gemm`). Backward (``jax.grad``,
     ``jax.vjp``): the output cotangent is quantized to ``float8_e5m2`` and
     the two gradient products are E5M2 x E4M3 with the saved float8 operands.
 
