@@ -14,7 +14,7 @@ import optax
 
 from .. import _compat
 from . import _chunked, _in_place
-from ._optax import gate_count, gate_tree, register_gated_update
+from ._optax import gate_count, gate_tree, gate_update, register_gated_update
 from ._rounding import StateCodec as _Codec
 from ._rounding import noise_bits, round_nearest_bf16, round_stochastic_bf16
 
@@ -247,12 +247,12 @@ def _wrap(inner, codec: _Codec) -> optax.GradientTransformationExtraArgs:
             comp = jax.tree_util.tree_map(lambda p: None, params)
         leaves, pdef = jax.tree_util.tree_flatten(params)
         outs = [
-            _write(p, u, c, codec.rounding, codec.seed, state.count, 2 * i)
+            _write(p, u, c, codec.rounding, codec.seed, state.count, 2 * i, gate=gate)
             for i, (p, u, c) in enumerate(
                 zip(leaves, pdef.flatten_up_to(u32), pdef.flatten_up_to(comp))
             )
         ]
-        d_out = [gate_tree(gate, o[0], jnp.zeros_like(o[0])) for o in outs]
+        d_out = [o[0] for o in outs]
         stored = _in_place.read_before_write(
             d_out, state.inner_state, template, params, state.count
         )
@@ -294,16 +294,21 @@ def _check_params(params: PyTree) -> None:
             )
 
 
-def _write(p, u, c, rounding, seed, step, stream, offset=0):
+def _write(p, u, c, rounding, seed, step, stream, offset=0, gate=None):
     """The bfloat16 update of one parameter and its new Kahan compensation.
 
     Returns ``(d, c_new)`` with ``d`` bfloat16 such that ``p + d`` in bfloat16
     is the rounded new parameter; non-bfloat16 leaves return the inner update.
     ``offset``: the flat index of ``p``'s first element when it is a slice of
     rows of the parameter (the rounding bits are the whole parameter's).
+    ``gate``: a scalar bool; where False, ``d`` is zero (the skip of
+    :func:`jaxamp.skip_nonfinite_updates`), made from ``p`` inside the write:
+    a zero-filled array would be a buffer of its own at the step's peak.
     """
-    if not _is_bf16(p) or u is None:
+    if u is None:
         return u, None
+    if not _is_bf16(p):
+        return gate_update(gate, u, p), None
     p32 = p.astype(jnp.float32)
     target = p32 + u.astype(jnp.float32)
     if rounding == "kahan":
@@ -313,7 +318,7 @@ def _write(p, u, c, rounding, seed, step, stream, offset=0):
         new = round_stochastic_bf16(target, bits)
     else:
         new = round_nearest_bf16(target)
-    d = _exact_step(p32, new)
+    d = gate_update(gate, _exact_step(p32, new), p)
     if rounding != "kahan":
         return d, None
     reached = round_nearest_bf16(p32 + d.astype(jnp.float32))
@@ -539,11 +544,11 @@ def _update_in_slices(
             for j, (s, k, old) in enumerate(zip(stacked, lay.kinds, s_leaves))
         ]
         outs = [
-            _write(p, whole[j], c, codec.rounding, codec.seed, count, 2 * j)
+            _write(p, whole[j], c, codec.rounding, codec.seed, count, 2 * j, gate=gate)
             for j, (p, c) in enumerate(zip(p_leaves, lay.c))
         ]
         return (
-            [gate_tree(gate, o[0], jnp.zeros_like(o[0])) for o in outs],
+            [o[0] for o in outs],
             s_out,
             [o[1] for o in outs],
         )

@@ -99,6 +99,40 @@ def gate_tree(gate: Any, new: PyTree, old: PyTree) -> PyTree:
     return jax.tree_util.tree_map(lambda n, o: jnp.where(gate, n, o), new, old)
 
 
+def gate_update(gate: Any, u: Any, p: Any) -> Any:
+    """An update ``u`` of the parameter ``p``: zero where the scalar bool
+    ``gate`` is False (``u`` as it is when ``gate`` is None or ``u`` is None).
+
+    The zero is ``-(p - p)``, negative zero for a finite ``p`` (``p + -0.0``
+    is ``p`` bit for bit, a negative zero included): an elementwise value of a
+    buffer the step holds anyway, which XLA fuses into the update's write. A
+    zero-filled ``zeros_like(u)`` can be fused with another zero fill (the
+    gradient accumulators of a scanned backward pass) into a buffer of its
+    own, one update's bytes per parameter at the step's peak.
+    """
+    if gate is None or u is None:
+        return u
+    if p is None or jnp.shape(p) != jnp.shape(u):
+        return jnp.where(gate, u, jnp.full_like(u, -0.0))
+    return jnp.where(gate, u, (-(p - p)).astype(u.dtype))
+
+
+def _gate_updates(gate: jax.Array, updates: PyTree, params: PyTree) -> PyTree:
+    """:func:`gate_update` leaf by leaf (zeros of ``updates``' own shape where
+    ``params`` is None or of another structure)."""
+    u_leaves, tdef = jax.tree_util.tree_flatten(updates)
+    p_leaves = [None] * len(u_leaves)
+    if params is not None:
+        p_flat, p_def = jax.tree_util.tree_flatten(params)
+        if p_def == tdef:
+            p_leaves = p_flat
+    out = [
+        gate_update(gate, u, p) if eqx.is_array(u) else u
+        for u, p in zip(u_leaves, p_leaves)
+    ]
+    return tdef.unflatten(out)
+
+
 def gate_count(count: jax.Array, gate: Any) -> jax.Array:
     """A step count after an update: unchanged where ``gate`` is False."""
     return count + (1 if gate is None else gate.astype(count.dtype))
@@ -184,8 +218,7 @@ def skip_nonfinite_updates(
             if check_updates:
                 finite = finite & all_finite(new_updates)
             inner_state = select_tree(finite, new_inner, state.inner_state)
-            zeros = jax.tree_util.tree_map(jnp.zeros_like, new_updates)
-            out = select_tree(finite, new_updates, zeros)
+            out = _gate_updates(finite, new_updates, params)
         skipped = state.skipped_steps + (~finite).astype(jnp.int32)
         return out, SkipNonFiniteState(inner_state, skipped, finite)
 
