@@ -483,7 +483,8 @@ def memory_variants() -> list:
     """``benchmarks/memory.py`` Variants of the memory part, each with and
     without ``jaxamp.skip_nonfinite_updates`` (the main job wraps its optimizer
     in it), and float16 with dynamic loss scaling; the FP8-residual one only
-    where ``jaxamp.amp`` takes ``residual_dtype=``."""
+    where ``jaxamp.amp`` takes ``residual_dtype=``; bf16 parameters with the
+    skip through ``jaxamp.optimizer_update`` (Equinox's form)."""
     import memory
 
     bf16 = lambda loss: jaxamp.amp(loss, compute_dtype=BF16)
@@ -502,6 +503,12 @@ def memory_variants() -> list:
     for v in base:
         out.append(dataclasses.replace(v, name=f"{v.name}, skip"))
         out.append(dataclasses.replace(v, name=f"{v.name}, no skip", skip=False))
+    for v in base[1:3]:  # the Equinox form of the skip, bf16 parameters
+        out.append(
+            dataclasses.replace(
+                v, name=f"{v.name}, optimizer_update", skip=False, optimizer_update=True
+            )
+        )
     return out
 
 

@@ -110,6 +110,9 @@ class Variant:
         scaler: differentiate with ``jaxamp.dynamic_scale_value_and_grad``
             (float16's dynamic loss scaling; the scaler state is the step's
             fifth argument and output).
+        optimizer_update: skip through ``jaxamp.optimizer_update`` (the
+            Equinox form: the plain optimizer, the decision passed in) instead
+            of the wrapper; needs ``skip=False``.
     """
 
     name: str
@@ -119,6 +122,7 @@ class Variant:
     state: str = "bfloat16"
     skip: bool = True
     scaler: bool = False
+    optimizer_update: bool = False
 
 
 def _amp(loss):
@@ -170,6 +174,12 @@ def setup(v: Variant, cfg: tc.Config):
         else:
             value, grads = jax.value_and_grad(loss)(params, x, y)
         with jax.numpy_dtype_promotion("standard"):  # optax's Adam (see train_charlm)
+            if v.optimizer_update:
+                finite = jaxamp.all_finite(grads)
+                return (
+                    *jaxamp.optimizer_update(params, opt, opt_state, grads, finite),
+                    value,
+                )
             updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value
 

@@ -133,6 +133,26 @@ def _gate_updates(gate: jax.Array, updates: PyTree, params: PyTree) -> PyTree:
     return tdef.unflatten(out)
 
 
+def _gated_update(inner, gated, updates, state, params, gate, extra):
+    """``inner``'s ``(updates, state)`` where the scalar bool ``gate`` is True;
+    zero updates and ``state`` unchanged, bit for bit, where it is False.
+
+    ``gated``: the registered gated form of ``inner.update`` (it selects inside
+    its own in-place writes) or None: then each new state leaf is a select
+    between the new and the old value and each update one of
+    :func:`gate_update`, elementwise, which XLA fuses into the writes into the
+    donated buffers (the decision exists before the update, so nothing waits
+    for a reduction over the new values).
+    """
+    if gated is not None:
+        return gated(updates, state, params, gate, **extra)
+    new_updates, new_state = inner.update(updates, state, params, **extra)
+    return (
+        _gate_updates(gate, new_updates, params),
+        select_tree(gate, new_state, state),
+    )
+
+
 def gate_count(count: jax.Array, gate: Any) -> jax.Array:
     """A step count after an update: unchanged where ``gate`` is False."""
     return count + (1 if gate is None else gate.astype(count.dtype))
@@ -206,19 +226,17 @@ def skip_nonfinite_updates(
 
     def update(updates, state, params=None, **extra):
         finite = all_finite(updates)  # the gradients: known before the update
-        if gated is not None and not check_updates:
-            # the optimizer selects inside its own in-place writes
-            out, inner_state = gated(
-                updates, state.inner_state, params, finite, **extra
-            )
-        else:
+        if check_updates:
             new_updates, new_inner = inner.update(
                 updates, state.inner_state, params, **extra
             )
-            if check_updates:
-                finite = finite & all_finite(new_updates)
+            finite = finite & all_finite(new_updates)
             inner_state = select_tree(finite, new_inner, state.inner_state)
             out = _gate_updates(finite, new_updates, params)
+        else:
+            out, inner_state = _gated_update(
+                inner, gated, updates, state.inner_state, params, finite, extra
+            )
         skipped = state.skipped_steps + (~finite).astype(jnp.int32)
         return out, SkipNonFiniteState(inner_state, skipped, finite)
 
@@ -256,14 +274,25 @@ def optimizer_update(
             f"(e.g. optax.adam(1e-3)), got {type(optimizer).__name__}."
         )
     params, static = eqx.partition(model, eqx.is_array)
-    updates, new_state = optimizer.update(grads, opt_state, params)
+    gate = jnp.asarray(grads_finite)
+    if gate.shape != ():
+        raise ValueError(
+            "optimizer_update: grads_finite must be a scalar bool (e.g. "
+            f"jaxamp.all_finite(grads)), got shape {gate.shape}."
+        )
+    updates, new_state = _gated_update(
+        optax.with_extra_args_support(optimizer),
+        _GATED_UPDATES.get(optimizer.update),
+        grads,
+        opt_state,
+        params,
+        gate.astype(bool),
+        {},
+    )
     new_params = jax.tree_util.tree_map(
         _apply_update, params, updates, is_leaf=lambda x: x is None
     )
-    return (
-        eqx.combine(select_tree(grads_finite, new_params, params), static),
-        select_tree(grads_finite, new_state, opt_state),
-    )
+    return eqx.combine(new_params, static), new_state
 
 
 def _apply_update(p: Any, u: Any) -> Any:
