@@ -165,6 +165,8 @@ def test_optimizer_update_for_equinox():
     assert _tree_equal(m3, model)
     with pytest.raises(TypeError, match="must be an optax GradientTransformation"):
         jaxamp.optimizer_update(model, lambda g: g, opt_state, grads, True)
+    with pytest.raises(ValueError, match="grads_finite must be a scalar"):
+        jaxamp.optimizer_update(model, opt, opt_state, grads, jnp.ones(2, bool))
 
 
 def test_optimizer_update_keeps_float16_parameters_float16():

@@ -261,12 +261,15 @@ def optimizer_update(
         grads_finite: scalar bool, e.g. from :func:`all_finite`.
 
     Returns:
-        ``(new_model, new_opt_state)``; both unchanged if ``grads_finite`` is
-        False. Each parameter keeps its dtype (``p + u`` is computed in the wider
-        of the two dtypes, as ``optax.apply_updates``).
+        ``(new_model, new_opt_state)``; both unchanged, bit for bit, if
+        ``grads_finite`` is False. The decision is taken inside each write (as
+        :func:`skip_nonfinite_updates`), so the step's peak is the plain
+        one. Each parameter keeps its dtype (``p + u`` is computed in the
+        wider of the two dtypes, as ``optax.apply_updates``).
 
     Raises:
         TypeError: if ``optimizer`` is not an optax GradientTransformation.
+        ValueError: if ``grads_finite`` is not a scalar.
     """
     if not isinstance(optimizer, optax.GradientTransformation):
         raise TypeError(
