@@ -221,7 +221,7 @@ def amp_with(
     return amp_fn
 
 
-_CHOICES = frozenset({"narrow_activations", "loop_casts"})
+_CHOICES = frozenset({"narrow_activations", "loop_casts", "loop_quantization"})
 _BIND_STEPS = frozenset(name for name, _ in DEFAULT_PIPELINE.bind_steps)
 
 
@@ -243,7 +243,9 @@ def ablated(
         choices: residual and loop choices not made
             (``"narrow_activations"``: a matmul of an activation and a held
             weight casts nothing early; ``"loop_casts"``: ``scan`` inputs are
-            cast in the loop body, not once before it) and bind steps skipped
+            cast in the loop body, not once before it;
+            ``"loop_quantization"``: stacked weights are quantized in the loop
+            body, not once before it) and bind steps skipped
             (``"derived_sums"``: derived broadcasts' sums in the compute dtype;
             ``"runnable_product"``: no XLA:CPU barrier; ``"overflow_check"``:
             no check even where ``overflow_check`` asks for one).

@@ -370,6 +370,23 @@ def scan_carry_range(params: dict) -> tuple[int, int]:
     return len(list(consts)), len(list(carry))
 
 
+def scan_params_with_xs(params: dict, k: int) -> dict:
+    """A ``scan`` equation's params for ``k`` more xs inputs after its own.
+
+    JAX 0.10: the counts of consts and carries are all that is stored. JAX >=
+    0.11: the flat-tree tuple ``ft_in`` (consts, carry, xs) gets ``k`` more xs
+    leaves (``jax._src.flattree``, private).
+    """
+    if "num_carry" in params or not k:  # JAX <= 0.10
+        return dict(params)
+    from jax._src import flattree  # JAX >= 0.11, private
+
+    consts, carry, xs = params["ft_in"].elts
+    more = flattree.FTTuple(*(flattree.FTSingleton(None) for _ in range(k)))
+    ft_in = flattree.FTTuple(consts, carry, flattree.FTTuple(xs, more))
+    return {**params, "ft_in": ft_in}
+
+
 def saved_residuals(fn: Callable, *args: Any, **kwargs: Any) -> list:
     """``[(aval, source description)]`` of the residuals the backward pass of
     ``fn`` saves. JAX 0.10 / 0.11: only ``print_saved_residuals`` is public."""

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import jax
+
 from .. import _compat
 from ._structure import trips
 
@@ -123,3 +125,27 @@ def iter_equations(closed: Any, weight: float = 1.0) -> Iterator[tuple[Any, floa
         yield eqn, weight
         for sub in _compat.sub_jaxprs(eqn.params):
             yield from iter_equations(sub, _inner_weight(eqn, weight))
+
+
+# The name of the jit call that prepares one operand of a product (an 8-bit
+# rule's quantization of it: the 8-bit array and its scale). The call's outputs
+# carry no gradient, so the scan rule may compute it for every layer before
+# the loop (``_walk/_scan_hoist.py``) where its input is a stacked weight.
+PREPARE_CALL = "jaxamp_prepare_operand"
+
+
+def prepare_operand(fn: Callable[[Any], Any], x: Any) -> Any:
+    """``fn(x)`` as a jit call named :data:`PREPARE_CALL`, its outputs under
+    ``lax.stop_gradient``. ``fn`` must be a pure function of ``x`` alone."""
+
+    def jaxamp_prepare_operand(v):
+        return fn(v)
+
+    return jax.lax.stop_gradient(jax.jit(jaxamp_prepare_operand)(x))
+
+
+def is_prepare(eqn: Any) -> bool:
+    """``eqn`` is a call made by :func:`prepare_operand`."""
+    return eqn.params.get("name") == PREPARE_CALL and any(
+        _compat.is_jaxpr(v) for v in eqn.params.values()
+    )

@@ -54,6 +54,7 @@ from .._base import _formats
 from .._base._codec import PerTensor, Recipe
 from .._base._codec import quantize as _quantize
 from .._base._dtypes import is_float
+from .._base._jaxpr import prepare_operand
 from ._common import (
     check_size_rule,
     eight_bit_rule,
@@ -148,7 +149,6 @@ def _scaled_gemm(product: Any, qa, sa, qb, sb, out_dtype) -> jax.Array:
     return _unscale(product(qa, qb, jnp.float32), sa, sb).astype(dt)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
 def fp8_dot_general(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -161,7 +161,9 @@ def fp8_dot_general(
     """``lax.dot_general`` computed in FP8 (E4M3 operands, E5M2 gradients).
 
     Forward: ``lhs`` and ``rhs`` are quantized to ``float8_e4m3fn`` with
-    per-tensor current scales (:func:`quantize`), multiplied by
+    per-tensor current scales (:func:`quantize`), each in a call of its own
+    (``_base/_jaxpr.prepare_operand``: inside ``lax.scan``, a stacked weight's
+    quantization moves before the loop, one per layer and step), multiplied by
     ``lax.dot_general`` on the float8 arrays, and the result is multiplied by
     the two inverse scales (a bfloat16 result for a bfloat16 ``out_dtype``,
     else float32; :func:`_scaled_gemm`). Backward (``jax.grad``,
@@ -196,8 +198,11 @@ def fp8_dot_general(
             ``dimension_numbers``.
         ValueError: if ``format`` is not a registered 8-bit float format.
     """
-    args = (dimension_numbers, out_dtype, margin, power_of_two, format)
-    return _fp8_fwd(lhs, rhs, *args)[0]
+    fmt = _float_format(format, "fp8_dot_general(format)")
+    lq, ls = _prepared(lhs, fmt, margin, power_of_two)
+    rq, rs = _prepared(rhs, fmt, margin, power_of_two)
+    args = (dimension_numbers, out_dtype, margin, power_of_two, fmt)
+    return _fp8_product(lhs, rhs, lq, ls, rq, rs, *args)
 
 
 def _float_format(spec: Any, argname: str) -> _formats.QFormat:
@@ -207,23 +212,35 @@ def _float_format(spec: Any, argname: str) -> _formats.QFormat:
     return fmt
 
 
-def _fp8_fwd(lhs, rhs, dimension_numbers, out_dtype, margin, power_of_two, format):
-    fmt = _float_format(format, "fp8_dot_general(format)")
-    lq, ls = _per_tensor(lhs, fmt, margin, power_of_two)
-    rq, rs = _per_tensor(rhs, fmt, margin, power_of_two)
+def _prepared(x, fmt, margin, power_of_two):
+    """``(q, scale)`` of ``x``: per-tensor current scaling, as a prepared
+    operand (no gradient; hoisted out of a scan over stacked weights)."""
+    quantize = functools.partial(
+        _per_tensor, fmt=fmt, margin=margin, power_of_two=power_of_two
+    )
+    return prepare_operand(quantize, x)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def _fp8_product(lhs, rhs, lq, ls, rq, rs, dn, out_dtype, margin, power_of_two, fmt):
+    """The FP8 product of the quantized ``(lq, ls)`` and ``(rq, rs)``;
+    ``lhs`` and ``rhs`` (not read) take the gradients, in their dtypes."""
+    args = (dn, out_dtype, margin, power_of_two, fmt)
+    return _fp8_fwd(lhs, rhs, lq, ls, rq, rs, *args)[0]
+
+
+def _fp8_fwd(lhs, rhs, lq, ls, rq, rs, dn, out_dtype, margin, power_of_two, fmt):
     product = lambda a, b, dt: jax.lax.dot_general(  # noqa: E731
-        a, b, dimension_numbers, preferred_element_type=dt
+        a, b, dn, preferred_element_type=dt
     )
     out = _scaled_gemm(product, lq, ls, rq, rs, out_dtype)
     # Empty arrays carry the operand dtypes (residuals must be arrays).
     return out, (lq, ls, rq, rs, jnp.zeros(0, lhs.dtype), jnp.zeros(0, rhs.dtype))
 
 
-def _fp8_bwd(dimension_numbers, out_dtype, margin, power_of_two, format, res, g):
+def _fp8_bwd(dn, out_dtype, margin, power_of_two, fmt, res, g):
     lq, ls, rq, rs, ldt, rdt = res
-    grad = _float_format(format, "fp8_dot_general(format)").grad_format
-    gq, gs = _per_tensor(g, grad, margin, power_of_two)
-    dn = dimension_numbers
+    gq, gs = _per_tensor(g, fmt.grad_format, margin, power_of_two)
 
     # Each gradient GEMM's result in bf16 where the forward's is (bf16
     # gradients, as the bf16 step's), then the operand's dtype.
@@ -236,7 +253,10 @@ def _fp8_bwd(dimension_numbers, out_dtype, margin, power_of_two, format, res, g)
     gdt = _grad_dtype(out_dtype)
     dl = _scaled_gemm(dl_product, gq, gs, rq, rs, gdt).astype(ldt.dtype)
     dr = _scaled_gemm(dr_product, gq, gs, lq, ls, gdt).astype(rdt.dtype)
-    return dl, dr
+    return dl, dr, None, None, None, None
+
+
+_fp8_product.defvjp(_fp8_fwd, _fp8_bwd)
 
 
 def _grad_dtype(out_dtype) -> np.dtype:
@@ -245,9 +265,6 @@ def _grad_dtype(out_dtype) -> np.dtype:
     gradient, summed over every token, can exceed float16's range)."""
     dt = np.dtype(out_dtype)
     return dt if dt == np.dtype(jnp.bfloat16) else np.dtype(np.float32)
-
-
-fp8_dot_general.defvjp(_fp8_fwd, _fp8_bwd)
 
 
 def fp8_rule(

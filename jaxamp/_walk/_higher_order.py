@@ -72,7 +72,7 @@ from ._loop import (
 from ._register import higher_order_rules as higher_order_rules
 from ._register import register_higher_order as register_higher_order
 from ._register import unregister_higher_order as unregister_higher_order
-from ._scan_hoist import loop_casts, with_dtypes, without_casts
+from ._scan_hoist import hoist_preparations, loop_casts, with_dtypes, without_casts
 
 # sub-jaxpr -> {context key: (rewritten jaxpr, recorder)}. Keyed weakly by the
 # jaxpr object (jit caches its traces, so one jitted layer called N times is
@@ -405,6 +405,11 @@ def _scan(eqn: Any, invals: list, ctx: AmpContext) -> Any:
             invals = [x if c is None else cast(x, c) for x, c in zip(invals, casts)]
     params["jaxpr"] = body
     invals[n_consts : n_consts + n_carry] = carry
+    # Stacked weights an 8-bit rule quantizes in the body: quantized before the
+    # loop, one scale per layer (_scan_hoist.py).
+    if "loop_quantization" not in ctx.pipeline.off:
+        xs0 = n_consts + n_carry
+        body, invals, params = hoist_preparations(body, invals, params, xs0)
     bparams = _compat.bind_params(eqn.primitive, params)
     return _compat.bind(eqn.primitive, invals, bparams)
 

@@ -1,4 +1,4 @@
-"""Scan input hoisting: cast loop-invariant weights once, before the loop.
+"""Scan input hoisting: cast and quantize stacked weights once, before the loop.
 
 The scan rule (``_higher_order.py``) rewrites a loop body first; this module
 then finds the inputs that every use in the rewritten body only reads in one
@@ -7,18 +7,23 @@ matmuls) and, for consts and for xs read only inside a user's
 ``jax.checkpoint`` (:func:`recomputed_inputs`), moves their casts before the
 loop (:func:`loop_casts`, :func:`without_casts`): one cast per step instead of
 one per iteration, as a careful engineer casts parameters before ``lax.scan``.
+Then the xs that an 8-bit rule quantizes in the body
+(``_base/_jaxpr.prepare_operand``) are quantized before the loop, each layer
+with its own scale (:func:`hoist_preparations`): once per step instead of in
+the forward pass and again in the checkpoint's recompute.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import jax
 import numpy as np
 
 from .. import _compat
 from .._base import _overflow
 from .._base._dtypes import is_float
-from .._base._jaxpr import bind_eqn, evaluate, is_var
+from .._base._jaxpr import bind_eqn, evaluate, is_prepare, is_var
 from .._base._structure import describe
 from .._policy._residuals import is_recast
 
@@ -35,8 +40,9 @@ def with_dtypes(avals: list, dtypes: tuple | None) -> list:
 
 def _leaf_uses(core: Any, var: Any, in_remat: bool = False):
     """``(eqn, in_remat)`` for every equation using ``var`` in ``core``, the
-    bodies of call-like equations entered; ``eqn`` is None where ``var`` is an
-    output. ``in_remat``: the use is inside a ``jax.checkpoint`` body."""
+    bodies of call-like equations entered (not those of prepared-operand
+    calls, which are uses); ``eqn`` is None where ``var`` is an output.
+    ``in_remat``: the use is inside a ``jax.checkpoint`` body."""
     if any(v is var for v in core.outvars):
         yield None, in_remat
     for eqn in core.eqns:
@@ -44,7 +50,7 @@ def _leaf_uses(core: Any, var: Any, in_remat: bool = False):
             if v is not var:
                 continue
             # A call whose body can be re-typed (_base/_structure.py) is entered.
-            structure = describe(eqn)
+            structure = None if is_prepare(eqn) else describe(eqn)
             if structure is not None and structure.call and structure.dtypes_flow:
                 inner = structure.subs[0].core
                 yield from _leaf_uses(
@@ -222,3 +228,113 @@ def _only_recasts(eqn: Any, sub_core: Any, moved: set) -> bool:
 
 class _NeedsConsts(Exception):
     """An open sub-jaxpr would need constants after removing its casts."""
+
+
+def _prepares(core: Any, var: Any) -> bool:
+    """``var`` is read by a prepared-operand call in ``core`` (or below)."""
+    return any(e is not None and is_prepare(e) for e, _ in _leaf_uses(core, var))
+
+
+def loop_preparations(body: Any, first_xs: int) -> dict[int, Any]:
+    """Per xs input of the rewritten scan ``body`` (index ``first_xs`` on) that
+    an 8-bit rule quantizes in it: the prepared-operand call
+    (``_base/_jaxpr.prepare_operand``) it reads, where every such call of that
+    input (in the body or in the jit and checkpoint bodies it enters) is the
+    same function. The input's other uses (the products' gradients) stay."""
+    core, _ = _compat.jaxpr_parts(body)
+    found = {}
+    for i, var in enumerate(core.invars[first_xs:], first_xs):
+        calls = [e for e, _ in _leaf_uses(core, var) if e is not None and is_prepare(e)]
+        if calls and len({str(c.params["jaxpr"]) for c in calls}) == 1:
+            found[i] = calls[0]
+    return found
+
+
+def hoist_preparations(
+    body: Any, invals: list, params: dict, first_xs: int
+) -> tuple[Any, list, dict]:
+    """The scan's ``(body, invals, params)`` with each prepared xs input
+    (:func:`loop_preparations`) prepared before the loop, under ``jax.vmap``
+    over the stacked axis (a per-tensor scale becomes one scale per layer),
+    the results passed as new xs and read where the body prepared them.
+
+    A scanned, checkpointed layer's weight is then quantized once per step
+    (Transformer Engine and a careful engineer quantize weights once per
+    step; the per-layer scale is what the body computed for the slice), not
+    in the forward pass and again in the recompute; the backward pass reads
+    the 8-bit stack. The returned body takes the extra inputs after the
+    original ones; nothing changes where no input is prepared or an open
+    body would need constants.
+    """
+    found = loop_preparations(body, first_xs)
+    if not found:
+        return body, invals, params
+    core, consts = _compat.jaxpr_parts(body)
+    stacks, avals = [], [v.aval for v in core.invars]
+    for i, call in found.items():
+        outs = jax.vmap(lambda w, call=call: bind_eqn(call, [w]))(invals[i])
+        stacks.extend(jax.lax.stop_gradient(o) for o in outs)
+        avals.extend(v.aval for v in call.outvars)
+    n = len(core.invars)
+
+    def replay(*args):
+        prepared, k = {}, n
+        for i, call in found.items():
+            prepared[core.invars[i]] = args[k : k + len(call.outvars)]
+            k += len(call.outvars)
+        return _replay_prepared(core, consts, args[:n], prepared)
+
+    try:
+        new = _compat.like(body, _compat.trace_to_closed_jaxpr(replay, avals))
+    except _NeedsConsts:
+        new = None
+    if new is None:
+        return body, invals, params
+    params = _compat.scan_params_with_xs(params, len(stacks))
+    return new, [*invals, *stacks], {**params, "jaxpr": new}
+
+
+def _replay_prepared(core: Any, consts: list, args: Any, prepared: dict) -> list:
+    """Bind ``core``'s equations on ``args``, a prepared-operand call of a
+    ``prepared`` variable replaced by its prepared values. A jit body that
+    holds such a call is inlined; a checkpoint's body takes the values as
+    extra inputs (it stays a checkpoint)."""
+
+    def replay_eqn(eqn: Any, invals: list) -> list:
+        if is_prepare(eqn) and is_var(eqn.invars[0]) and eqn.invars[0] in prepared:
+            return list(prepared[eqn.invars[0]])
+        structure = None if is_prepare(eqn) else describe(eqn)
+        if structure is None or not (structure.call and structure.dtypes_flow):
+            return bind_eqn(eqn, invals)  # a custom_vjp reads the weight as it is
+        (name,) = [k for k, v in eqn.params.items() if _compat.is_jaxpr(v)]
+        sub_core, sub_consts = _compat.jaxpr_parts(eqn.params[name])
+        hit = {
+            pos: prepared[v]
+            for pos, v in enumerate(eqn.invars)
+            if is_var(v) and v in prepared and _prepares(sub_core, sub_core.invars[pos])
+        }
+        if not hit:
+            return bind_eqn(eqn, invals)
+        if not structure.recomputed:  # jit, closed_call: inlined
+            sub = {sub_core.invars[pos]: vals for pos, vals in hit.items()}
+            with _compat.eqn_context(eqn):
+                return _replay_prepared(sub_core, sub_consts, invals, sub)
+        extra = [x for vals in hit.values() for x in vals]
+        n = len(invals)
+
+        def sub_body(*args):
+            sub, k = {}, n
+            for pos, vals in hit.items():
+                sub[sub_core.invars[pos]] = args[k : k + len(vals)]
+                k += len(vals)
+            return _replay_prepared(sub_core, sub_consts, args[:n], sub)
+
+        avals = [v.aval for v in sub_core.invars]
+        avals += [jax.typeof(x) for x in extra]
+        traced = _compat.trace_to_closed_jaxpr(sub_body, avals)
+        new_sub = _compat.like(eqn.params[name], traced)
+        if new_sub is None:
+            raise _NeedsConsts
+        return bind_eqn(eqn, [*invals, *extra], {**eqn.params, name: new_sub})
+
+    return evaluate(core, consts, args, replay_eqn)
