@@ -370,21 +370,24 @@ def scan_carry_range(params: dict) -> tuple[int, int]:
     return len(list(consts)), len(list(carry))
 
 
-def scan_params_with_xs(params: dict, k: int) -> dict:
-    """A ``scan`` equation's params for ``k`` more xs inputs after its own.
+def scan_params_with_inputs(params: dict, consts: int, xs: int) -> dict:
+    """A ``scan`` equation's params for ``consts`` more consts after its own
+    consts and ``xs`` more xs after its own xs.
 
-    JAX 0.10: the counts of consts and carries are all that is stored. JAX >=
-    0.11: the flat-tree tuple ``ft_in`` (consts, carry, xs) gets ``k`` more xs
-    leaves (``jax._src.flattree``, private).
+    JAX 0.10: ``num_consts`` counts the consts. JAX >= 0.11: the flat-tree
+    tuple ``ft_in`` (consts, carry, xs) gets the leaves
+    (``jax._src.flattree``, private).
     """
-    if "num_carry" in params or not k:  # JAX <= 0.10
-        return dict(params)
+    if "num_carry" in params:  # JAX <= 0.10
+        return {**params, "num_consts": params["num_consts"] + consts}
     from jax._src import flattree  # JAX >= 0.11, private
 
-    consts, carry, xs = params["ft_in"].elts
-    more = flattree.FTTuple(*(flattree.FTSingleton(None) for _ in range(k)))
-    ft_in = flattree.FTTuple(consts, carry, flattree.FTTuple(xs, more))
-    return {**params, "ft_in": ft_in}
+    def more(tree, k):
+        leaves = (flattree.FTSingleton(None) for _ in range(k))
+        return flattree.FTTuple(tree, flattree.FTTuple(*leaves)) if k else tree
+
+    c, carry, x = params["ft_in"].elts
+    return {**params, "ft_in": flattree.FTTuple(more(c, consts), carry, more(x, xs))}
 
 
 def saved_residuals(fn: Callable, *args: Any, **kwargs: Any) -> list:

@@ -405,11 +405,11 @@ def _scan(eqn: Any, invals: list, ctx: AmpContext) -> Any:
             invals = [x if c is None else cast(x, c) for x, c in zip(invals, casts)]
     params["jaxpr"] = body
     invals[n_consts : n_consts + n_carry] = carry
-    # Stacked weights an 8-bit rule quantizes in the body: quantized before the
-    # loop, one scale per layer (_scan_hoist.py).
+    # Weights an 8-bit rule quantizes in the body: quantized before the loop,
+    # one scale per layer of a stacked weight (_scan_hoist.py).
     if "loop_quantization" not in ctx.pipeline.off:
         xs0 = n_consts + n_carry
-        body, invals, params = hoist_preparations(body, invals, params, xs0)
+        body, invals, params = hoist_preparations(body, invals, params, n_consts, xs0)
     bparams = _compat.bind_params(eqn.primitive, params)
     return _compat.bind(eqn.primitive, invals, bparams)
 

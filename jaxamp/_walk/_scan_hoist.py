@@ -235,15 +235,18 @@ def _prepares(core: Any, var: Any) -> bool:
     return any(e is not None and is_prepare(e) for e, _ in _leaf_uses(core, var))
 
 
-def loop_preparations(body: Any, first_xs: int) -> dict[int, Any]:
-    """Per xs input of the rewritten scan ``body`` (index ``first_xs`` on) that
-    an 8-bit rule quantizes in it: the prepared-operand call
-    (``_base/_jaxpr.prepare_operand``) it reads, where every such call of that
-    input (in the body or in the jit and checkpoint bodies it enters) is the
-    same function. The input's other uses (the products' gradients) stay."""
+def loop_preparations(body: Any, n_consts: int, first_xs: int) -> dict[int, Any]:
+    """Per const (index below ``n_consts``) and xs input (index ``first_xs``
+    on) of the rewritten scan ``body`` that an 8-bit rule quantizes in it:
+    the prepared-operand call (``_base/_jaxpr.prepare_operand``) it reads,
+    where every such call of that input (in the body or in the jit and
+    checkpoint bodies it enters) is the same function. The input's other uses
+    (the products' gradients) stay."""
     core, _ = _compat.jaxpr_parts(body)
     found = {}
-    for i, var in enumerate(core.invars[first_xs:], first_xs):
+    for i, var in enumerate(core.invars):
+        if n_consts <= i < first_xs:
+            continue  # a carry changes from one iteration to the next
         calls = [e for e, _ in _leaf_uses(core, var) if e is not None and is_prepare(e)]
         if calls and len({str(c.params["jaxpr"]) for c in calls}) == 1:
             found[i] = calls[0]
@@ -251,47 +254,57 @@ def loop_preparations(body: Any, first_xs: int) -> dict[int, Any]:
 
 
 def hoist_preparations(
-    body: Any, invals: list, params: dict, first_xs: int
+    body: Any, invals: list, params: dict, n_consts: int, first_xs: int
 ) -> tuple[Any, list, dict]:
-    """The scan's ``(body, invals, params)`` with each prepared xs input
-    (:func:`loop_preparations`) prepared before the loop, under ``jax.vmap``
-    over the stacked axis (a per-tensor scale becomes one scale per layer),
-    the results passed as new xs and read where the body prepared them.
+    """The scan's ``(body, invals, params)`` with each prepared const and xs
+    input (:func:`loop_preparations`) prepared once, before the loop (xs under
+    ``jax.vmap`` over the stacked axis: a per-tensor scale becomes one scale
+    per layer), the results passed as new consts and xs and read where the
+    body prepared them.
 
     A scanned, checkpointed layer's weight is then quantized once per step
-    (Transformer Engine and a careful engineer quantize weights once per
-    step; the per-layer scale is what the body computed for the slice), not
-    in the forward pass and again in the recompute; the backward pass reads
-    the 8-bit stack. The returned body takes the extra inputs after the
-    original ones; nothing changes where no input is prepared or an open
-    body would need constants.
+    (as Transformer Engine and a careful engineer quantize weights; the
+    per-layer scale is what the body computed for the slice), not in the
+    forward pass and again in the recompute, and the backward pass reads the
+    8-bit stack; a weight every iteration reads (an RNN cell's) is quantized
+    once, not once per iteration. Nothing changes where no input is prepared
+    or an open body would need constants.
     """
-    found = loop_preparations(body, first_xs)
+    found = loop_preparations(body, n_consts, first_xs)
     if not found:
         return body, invals, params
     core, consts = _compat.jaxpr_parts(body)
-    stacks, avals = [], [v.aval for v in core.invars]
+    made: dict[bool, list] = {True: [], False: []}  # is a const -> values
+    avals: dict[bool, list] = {True: [], False: []}
     for i, call in found.items():
-        outs = jax.vmap(lambda w, call=call: bind_eqn(call, [w]))(invals[i])
-        stacks.extend(jax.lax.stop_gradient(o) for o in outs)
-        avals.extend(v.aval for v in call.outvars)
-    n = len(core.invars)
+        if i < n_consts:
+            outs = bind_eqn(call, [invals[i]])
+        else:
+            outs = jax.vmap(lambda w, call=call: bind_eqn(call, [w]))(invals[i])
+        made[i < n_consts].extend(jax.lax.stop_gradient(o) for o in outs)
+        avals[i < n_consts].extend(v.aval for v in call.outvars)
+    n, kc = len(core.invars), len(made[True])
+    in_avals = [v.aval for v in core.invars]
+    in_avals = [*in_avals[:n_consts], *avals[True], *in_avals[n_consts:], *avals[False]]
 
     def replay(*args):
-        prepared, k = {}, n
-        for i, call in found.items():
-            prepared[core.invars[i]] = args[k : k + len(call.outvars)]
+        extra = [*args[n_consts : n_consts + kc], *args[n + kc :]]
+        prepared, k = {}, 0
+        for i, call in sorted(found.items()):  # consts first, as in extra
+            prepared[core.invars[i]] = extra[k : k + len(call.outvars)]
             k += len(call.outvars)
-        return _replay_prepared(core, consts, args[:n], prepared)
+        own = [*args[:n_consts], *args[n_consts + kc : n + kc]]
+        return _replay_prepared(core, consts, own, prepared)
 
     try:
-        new = _compat.like(body, _compat.trace_to_closed_jaxpr(replay, avals))
+        new = _compat.like(body, _compat.trace_to_closed_jaxpr(replay, in_avals))
     except _NeedsConsts:
         new = None
     if new is None:
         return body, invals, params
-    params = _compat.scan_params_with_xs(params, len(stacks))
-    return new, [*invals, *stacks], {**params, "jaxpr": new}
+    params = _compat.scan_params_with_inputs(params, kc, len(made[False]))
+    invals = [*invals[:n_consts], *made[True], *invals[n_consts:], *made[False]]
+    return new, invals, {**params, "jaxpr": new}
 
 
 def _replay_prepared(core: Any, consts: list, args: Any, prepared: dict) -> list:
