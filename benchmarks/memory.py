@@ -240,6 +240,9 @@ class SlopeVariant:
             ``residual_dtype``), as ``(name, value)`` pairs.
         in_backward: the step is ``jaxamp.update_in_backward`` (the update
             inside the backward pass, no gradient tree).
+        scaler: differentiate with ``jaxamp.dynamic_scale_value_and_grad``
+            (float16's dynamic loss scaling; the scaler state is an argument
+            and output of the step).
     """
 
     name: str
@@ -248,6 +251,7 @@ class SlopeVariant:
     amp: bool = True
     amp_kwargs: tuple = ()
     in_backward: bool = False
+    scaler: bool = False
 
 
 def _adamw():
@@ -256,6 +260,50 @@ def _adamw():
 
 def _low(**kw):
     return lambda: jaxamp.low_precision_optimizer(_adamw(), **kw)
+
+
+def _clipped(skip: bool, **low):
+    """``optax.chain(clip_by_global_norm(1), adamw)`` (the issues' reference
+    GPT optimizer), inside ``low_precision_optimizer(**low)`` when ``low`` is
+    given, inside ``jaxamp.skip_nonfinite_updates`` when ``skip``."""
+
+    def make():
+        tx = optax.chain(optax.clip_by_global_norm(1.0), _adamw())
+        if low:
+            tx = jaxamp.low_precision_optimizer(tx, **low)
+        return jaxamp.skip_nonfinite_updates(tx) if skip else tx
+
+    return make
+
+
+def _skip_pairs() -> list:
+    """Each recipe of the skip comparison with and without the wrapper."""
+    e4m3 = (("residual_dtype", jnp.float8_e4m3fn),)
+    f16 = (("compute_dtype", jnp.float16),)
+    base = [
+        ("amp bf16, f32 master", "float32", {}, (), False),
+        ("amp, bf16 params + SR, bf16 state", "bfloat16", {"seed": 0}, (), False),
+        (
+            "amp, bf16 params + SR, int8 state",
+            "bfloat16",
+            {"state_dtype": "int8"},
+            (),
+            False,
+        ),
+        ("amp bf16, E4M3 residuals, f32 master", "float32", {}, e4m3, False),
+        ("amp float16 + dynamic scaling, f32 master", "float32", {}, f16, True),
+    ]
+    return [
+        SlopeVariant(
+            f"{name}, clip + adamw, {'skip' if skip else 'no skip'}",
+            dtype,
+            _clipped(skip, **low),
+            amp_kwargs=kw,
+            scaler=scaler,
+        )
+        for name, dtype, low, kw, scaler in base
+        for skip in (True, False)
+    ]
 
 
 SLOPE_VARIANTS = [
@@ -304,6 +352,7 @@ SLOPE_VARIANTS = [
         amp_kwargs=(("residual_dtype", "int8"),),
         in_backward=True,
     ),
+    *_skip_pairs(),
 ]
 
 # --slope --targets: the table's mark of each target
@@ -364,7 +413,7 @@ def phase_peaks(
     count."""
     params, loss, batch = _gpt(cfg, v.param_dtype, model)
     if v.amp:
-        loss = jaxamp.amp(loss, compute_dtype=jnp.bfloat16, **dict(v.amp_kwargs))
+        loss = jaxamp.amp(loss, **{"compute_dtype": jnp.bfloat16, **dict(v.amp_kwargs)})
     opt = v.optimizer()
     with jax.numpy_dtype_promotion("standard"):
         state = jax.eval_shape(opt.init, params)
@@ -385,13 +434,23 @@ def phase_peaks(
             with jax.numpy_dtype_promotion("standard"):  # optax's Adam
                 return fused(params, state, *batch)
 
+    step_args = (params, state, *batch)
+    if v.scaler:  # float16: the scaler state is the step's third argument
+        vg = jaxamp.dynamic_scale_value_and_grad(loss, filter=False)
+
+        def step(params, state, scaler, *batch):  # noqa: F811
+            scaler, (value, grads) = vg(params, *batch, dynamic_scaler_state=scaler)
+            return *update(params, state, grads), scaler, value
+
+        step_args = (params, state, jax.eval_shape(jaxamp.DynamicScalerState), *batch)
+
     grads = jax.eval_shape(jax.grad(loss), params, *batch)
     compile_ = lambda f, donate, *a: gpu_target.compile_for(  # noqa: E731
         f, *a, target=target, donate_argnums=donate
     )
     grad = compile_(jax.value_and_grad(loss), (), params, *batch)
     return {
-        "step": gpu_target.peak_bytes(compile_(step, (0, 1), params, state, *batch)),
+        "step": gpu_target.peak_bytes(compile_(step, (0, 1), *step_args)),
         "grad": gpu_target.peak_bytes(grad),
         "grad_temp": grad.memory_analysis().temp_size_in_bytes,
         "update": gpu_target.peak_bytes(

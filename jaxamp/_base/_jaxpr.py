@@ -135,13 +135,14 @@ PREPARE_CALL = "jaxamp_prepare_operand"
 
 
 def prepare_operand(fn: Callable[[Any], Any], x: Any) -> Any:
-    """``fn(x)`` as a jit call named :data:`PREPARE_CALL`, its outputs under
-    ``lax.stop_gradient``. ``fn`` must be a pure function of ``x`` alone."""
+    """``fn(x)`` as a jit call named :data:`PREPARE_CALL` on
+    ``lax.stop_gradient(x)``: differentiation never enters the call (its
+    outputs carry no gradient). ``fn`` must be a pure function of ``x``."""
 
     def jaxamp_prepare_operand(v):
         return fn(v)
 
-    return jax.lax.stop_gradient(jax.jit(jaxamp_prepare_operand)(x))
+    return jax.jit(jaxamp_prepare_operand)(jax.lax.stop_gradient(x))
 
 
 def is_prepare(eqn: Any) -> bool:

@@ -85,6 +85,7 @@ from .._base._codec import PerAxes, Recipe, quantize
 from .._base._codec import rounding_noise as rounding_noise  # this module's noise
 from .._base._dtypes import is_float
 from .._base._formats import INT8
+from .._base._jaxpr import prepare_operand
 from ._common import (
     KEPT_SCOPE,
     WEIGHT_CHOICES,
@@ -190,23 +191,33 @@ def _check_weight(owner: str, weight: Any) -> str:
 
 def _weight_last_dot(lhs, rhs, seed, dimension_numbers, out_dtype, recipe, weight):
     # The product with the weight as rhs (the operand whose gradient is wgrad),
-    # its output put back in the original layout.
+    # its output put back in the original layout. The weight's forward
+    # quantization is a prepared operand: inside lax.scan the scan rule runs it
+    # on the stacked weight before the loop (_walk/_scan_hoist.py), once per
+    # step instead of in the forward pass and again in a checkpoint's recompute.
     a, w, dn, perm = weight_last(lhs, rhs, dimension_numbers, weight)
-    out = _int8_dot(a, w, seed, dn, np.dtype(out_dtype), recipe)
+    if recipe.forward:
+        axes = _reduce_axes(recipe.granularity, Dims.of(dn, a.ndim, w.ndim).rc, w.ndim)
+        wq, ws = prepare_operand(functools.partial(int8_quantize, axes=axes), w)
+    else:  # not read: the forward product runs in the compute dtype
+        wq, ws = jnp.zeros((), I8), jnp.ones((), F32)
+    out = _int8_dot(a, w, wq, ws, seed, dn, np.dtype(out_dtype), recipe)
     return out if perm is None else jnp.transpose(out, perm)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _int8_dot(lhs, rhs, seed, dimension_numbers, out_dtype, recipe):
-    return _fwd(lhs, rhs, seed, dimension_numbers, out_dtype, recipe)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _int8_dot(lhs, rhs, rq, rs, seed, dimension_numbers, out_dtype, recipe):
+    """The product of ``lhs`` and the weight ``rhs``, whose int8 form and
+    scales ``(rq, rs)`` come prepared; ``rhs`` takes the weight gradient."""
+    args = (seed, dimension_numbers, out_dtype, recipe)
+    return _fwd(lhs, rhs, rq, rs, *args)[0]
 
 
-def _fwd(lhs, rhs, seed, dimension_numbers, out_dtype, recipe):
+def _fwd(lhs, rhs, rq, rs, seed, dimension_numbers, out_dtype, recipe):
     d = Dims.of(dimension_numbers, lhs.ndim, rhs.ndim)
     if recipe.forward:
         gran = recipe.granularity
         lq, ls = int8_quantize(lhs, _reduce_axes(gran, d.lc, lhs.ndim))
-        rq, rs = int8_quantize(rhs, _reduce_axes(gran, d.rc, rhs.ndim))
         acc = jax.lax.dot_general(lq, rq, dimension_numbers, preferred_element_type=I32)
         linv, rinv = np.float32(1) / ls, np.float32(1) / rs
         out = acc.astype(F32) * d.lhs_to_out(linv) * d.rhs_to_out(rinv)
@@ -263,7 +274,7 @@ def _bwd(dimension_numbers, out_dtype, recipe, res, g):
         seed ^ _WGRAD_SALT,
         cd,
     )
-    return dl.astype(ltype.dtype), dr.astype(rtype.dtype), None
+    return dl.astype(ltype.dtype), dr.astype(rtype.dtype), None, None, None
 
 
 _int8_dot.defvjp(_fwd, _bwd)

@@ -49,6 +49,9 @@ def _leaf_uses(core: Any, var: Any, in_remat: bool = False):
         for pos, v in enumerate(eqn.invars):
             if v is not var:
                 continue
+            if eqn.primitive.name == "stop_gradient":  # a prepared operand's input
+                yield from _leaf_uses(core, eqn.outvars[0], in_remat)
+                continue
             # A call whose body can be re-typed (_base/_structure.py) is entered.
             structure = None if is_prepare(eqn) else describe(eqn)
             if structure is not None and structure.call and structure.dtypes_flow:
@@ -316,6 +319,9 @@ def _replay_prepared(core: Any, consts: list, args: Any, prepared: dict) -> list
     def replay_eqn(eqn: Any, invals: list) -> list:
         if is_prepare(eqn) and is_var(eqn.invars[0]) and eqn.invars[0] in prepared:
             return list(prepared[eqn.invars[0]])
+        stop = eqn.primitive.name == "stop_gradient" and is_var(eqn.invars[0])
+        if stop and eqn.invars[0] in prepared:
+            prepared[eqn.outvars[0]] = prepared[eqn.invars[0]]  # what it prepares
         structure = None if is_prepare(eqn) else describe(eqn)
         if structure is None or not (structure.call and structure.dtypes_flow):
             return bind_eqn(eqn, invals)  # a custom_vjp reads the weight as it is
