@@ -93,6 +93,7 @@ from ._common import (
     check_size_rule,
     dgrad,
     eight_bit_rule,
+    narrowed,
     scoped_policy,
     torchao_rowwise_size_rule,
     weight_last,
@@ -189,19 +190,26 @@ def _check_weight(owner: str, weight: Any) -> str:
     return weight
 
 
-def _weight_last_dot(lhs, rhs, seed, dimension_numbers, out_dtype, recipe, weight):
+def _weight_last_dot(
+    lhs, rhs, seed, dimension_numbers, out_dtype, recipe, weight, narrow=False
+):
     # The product with the weight as rhs (the operand whose gradient is wgrad),
     # its output put back in the original layout. The weight's forward
     # quantization is a prepared operand: inside lax.scan the scan rule runs it
     # on the stacked weight before the loop (_walk/_scan_hoist.py), once per
     # step instead of in the forward pass and again in a checkpoint's recompute.
+    # ``narrow``: the weight's gradient is taken through its copy in a bfloat16
+    # compute dtype (bf16 weight gradients, as the bf16 step's; the scan rule
+    # then casts the stacked weight once, before the loop); it is quantized
+    # from its own values.
     a, w, dn, perm = weight_last(lhs, rhs, dimension_numbers, weight)
     if recipe.forward:
         axes = _reduce_axes(recipe.granularity, Dims.of(dn, a.ndim, w.ndim).rc, w.ndim)
         wq, ws = prepare_operand(functools.partial(int8_quantize, axes=axes), w)
     else:  # not read: the forward product runs in the compute dtype
         wq, ws = jnp.zeros((), I8), jnp.ones((), F32)
-    out = _int8_dot(a, w, wq, ws, seed, dn, np.dtype(out_dtype), recipe)
+    carrier = narrowed(w, out_dtype) if narrow else w
+    out = _int8_dot(a, carrier, wq, ws, seed, dn, np.dtype(out_dtype), recipe)
     return out if perm is None else jnp.transpose(out, perm)
 
 
@@ -446,7 +454,8 @@ def int8_rule(
 
     def quantized(lhs, rhs, dn, compute_dtype):
         seed = seed_source()
-        return _weight_last_dot(lhs, rhs, seed, dn, compute_dtype, recipe, weight)
+        args = (seed, dn, compute_dtype, recipe, weight)
+        return _weight_last_dot(lhs, rhs, *args, narrow=True)
 
     name = f"int8_rule({recipe})"
     return eight_bit_rule(

@@ -46,7 +46,7 @@ import numpy as np
 
 from .. import _compat
 from .._base import _state, _structure
-from .._base._cast import cast, cast_cache, narrow_sources, restore
+from .._base._cast import cast_cache, narrow_sources, restore
 from .._base._dtypes import dtype_of
 from .._base._structure import Structure, SubJaxpr, describe_call
 from .._policy._checkpoint import offloads, policy_cases, store_checkpoint
@@ -72,7 +72,7 @@ from ._loop import (
 from ._register import higher_order_rules as higher_order_rules
 from ._register import register_higher_order as register_higher_order
 from ._register import unregister_higher_order as unregister_higher_order
-from ._scan_hoist import hoist_preparations, loop_casts, with_dtypes, without_casts
+from ._scan_hoist import hoist_loop_inputs, with_dtypes
 
 # sub-jaxpr -> {context key: (rewritten jaxpr, recorder)}. Keyed weakly by the
 # jaxpr object (jit caches its traces, so one jitted layer called N times is
@@ -394,22 +394,13 @@ def _scan(eqn: Any, invals: list, ctx: AmpContext) -> Any:
     body = rewrite_jaxpr(params["jaxpr"], ctx, in_dtypes, out_dtypes, held, widened)
     if body is None:
         return run_unchanged(eqn, invals, ctx)
-    # Inputs the rewritten body only reads in a narrower dtype are cast once,
-    # before the loop, and their casts leave the body (_scan_hoist.py).
-    off = "loop_casts" in ctx.pipeline.off
-    casts = () if off else loop_casts(eqn, body, n_consts, n_carry)
-    if any(d is not None for d in casts):
-        replayed = without_casts(body, casts)
-        if replayed is not None:  # None: an open body would need consts
-            body = replayed
-            invals = [x if c is None else cast(x, c) for x, c in zip(invals, casts)]
-    params["jaxpr"] = body
     invals[n_consts : n_consts + n_carry] = carry
-    # Weights an 8-bit rule quantizes in the body: quantized before the loop,
-    # one scale per layer of a stacked weight (_scan_hoist.py).
-    if "loop_quantization" not in ctx.pipeline.off:
-        xs0 = n_consts + n_carry
-        body, invals, params = hoist_preparations(body, invals, params, n_consts, xs0)
+    # Inputs the rewritten body only reads in a narrower dtype are cast once,
+    # before the loop, and weights an 8-bit rule quantizes in it are quantized
+    # before it (one scale per layer of a stacked weight): _scan_hoist.py.
+    body, invals, params = hoist_loop_inputs(
+        eqn, body, invals, {**params, "jaxpr": body}, ctx.pipeline.off
+    )
     bparams = _compat.bind_params(eqn.primitive, params)
     return _compat.bind(eqn.primitive, invals, bparams)
 

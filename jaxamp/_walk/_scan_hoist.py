@@ -22,6 +22,7 @@ import numpy as np
 
 from .. import _compat
 from .._base import _overflow
+from .._base._cast import cast
 from .._base._dtypes import is_float
 from .._base._jaxpr import bind_eqn, evaluate, is_prepare, is_var
 from .._base._structure import describe
@@ -123,7 +124,7 @@ def recomputed_inputs(jaxpr: Any) -> tuple[bool, ...]:
     return tuple(out)
 
 
-def loop_casts(eqn: Any, body: Any, n_consts: int, n_carry: int) -> tuple:
+def loop_casts(body: Any, recomputed: tuple, n_consts: int, n_carry: int) -> tuple:
     """Per scan input: the dtype to cast it to once, before the loop, or None.
 
     A const or xs input that every use in the rewritten ``body`` converts to
@@ -144,15 +145,57 @@ def loop_casts(eqn: Any, body: Any, n_consts: int, n_carry: int) -> tuple:
     Other xs (a scan without checkpoint) keep the per-matmul casts that the
     backward pass recomputes from the float32 input, so that no weight copy is
     among the residuals. The carries' dtypes are the policy's loop-carry rule's.
+    ``recomputed``: per input, :func:`recomputed_inputs` of the traced body.
     """
     narrowed = narrowed_inputs(body)
     if all(d is None for d in narrowed):
         return narrowed
-    recomputed = recomputed_inputs(eqn.params["jaxpr"])
     return tuple(
         d if i < n_consts or (i >= n_consts + n_carry and recomputed[i]) else None
         for i, d in enumerate(narrowed)
     )
+
+
+def hoist_loop_inputs(
+    eqn: Any, body: Any, invals: list, params: dict, off: frozenset
+) -> tuple[Any, list, dict]:
+    """The rewritten scan's ``(body, invals, params)`` with its inputs cast
+    (:func:`loop_casts`) and prepared (:func:`hoist_preparations`) before the
+    loop, then cast again where preparing left a cast as an input's only use
+    (an int8 weight quantized from float32, whose gradient is taken through
+    its bfloat16 copy). ``off``: the pipeline's switched-off choices
+    (``"loop_casts"``, ``"loop_quantization"``)."""
+    n_consts, n_carry = _compat.scan_carry_range(params)
+    recomputed = recomputed_inputs(eqn.params["jaxpr"])
+    if "loop_casts" not in off:
+        body, invals = _cast_pass(body, invals, recomputed, n_consts, n_carry)
+    if "loop_quantization" in off:
+        return body, invals, {**params, "jaxpr": body}
+    n_in = len(invals)
+    body, invals, params = hoist_preparations(
+        body, invals, {**params, "jaxpr": body}, n_consts, n_consts + n_carry
+    )
+    if len(invals) == n_in or "loop_casts" in off:
+        return body, invals, params
+    kc = _compat.scan_carry_range(params)[0] - n_consts
+    kx = len(invals) - n_in - kc
+    rec = (*recomputed[:n_consts], *(False,) * kc, *recomputed[n_consts:])
+    rec += (False,) * kx
+    body, invals = _cast_pass(body, invals, rec, n_consts + kc, n_carry)
+    return body, invals, {**params, "jaxpr": body}
+
+
+def _cast_pass(body, invals, recomputed, n_consts, n_carry):
+    """:func:`loop_casts` applied: the casts leave ``body`` and the inputs
+    are cast before the loop (unchanged where an open body would need
+    constants)."""
+    casts = loop_casts(body, recomputed, n_consts, n_carry)
+    if all(d is None for d in casts):
+        return body, invals
+    replayed = without_casts(body, casts)
+    if replayed is None:
+        return body, invals
+    return replayed, [x if c is None else cast(x, c) for x, c in zip(invals, casts)]
 
 
 def without_casts(jaxpr: Any, dtypes: tuple) -> Any:
@@ -316,12 +359,24 @@ def _replay_prepared(core: Any, consts: list, args: Any, prepared: dict) -> list
     holds such a call is inlined; a checkpoint's body takes the values as
     extra inputs (it stays a checkpoint)."""
 
+    # stop_gradient outputs that only prepared-operand calls read
+    only_prepared = {
+        e.outvars[0]
+        for e in core.eqns
+        if e.primitive.name == "stop_gradient"
+        and all(
+            u is not None and is_prepare(u) for u, _ in _leaf_uses(core, e.outvars[0])
+        )
+    }
+
     def replay_eqn(eqn: Any, invals: list) -> list:
         if is_prepare(eqn) and is_var(eqn.invars[0]) and eqn.invars[0] in prepared:
             return list(prepared[eqn.invars[0]])
         stop = eqn.primitive.name == "stop_gradient" and is_var(eqn.invars[0])
         if stop and eqn.invars[0] in prepared:
             prepared[eqn.outvars[0]] = prepared[eqn.invars[0]]  # what it prepares
+            if eqn.outvars[0] in only_prepared:
+                return invals  # read by nothing once its calls are replaced
         structure = None if is_prepare(eqn) else describe(eqn)
         if structure is None or not (structure.call and structure.dtypes_flow):
             return bind_eqn(eqn, invals)  # a custom_vjp reads the weight as it is
