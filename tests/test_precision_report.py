@@ -19,14 +19,6 @@ from jax.sharding import PartitionSpec as P
 import jaxamp
 from jaxamp import _compat
 
-# The report's first-order ranking moves with the JAX version (issue 50: the
-# ranking becomes measured ablation); on JAX 0.12 these two figures do not hold.
-_RANKING_MOVES_WITH_JAX = pytest.mark.xfail(
-    _compat.JAX_VERSION[:2] >= (0, 12),
-    reason="issue 50: the first-order ranking differs from ablation on JAX 0.12",
-    strict=True,
-)
-
 ROOT = Path(__file__).resolve().parents[1]
 BF16 = jnp.bfloat16
 D, T, B, V, L = 16, 8, 2, 32, 3
@@ -87,6 +79,39 @@ def _batch(seed=1):
     return tok[:, :-1], tok[:, 1:]
 
 
+def _ablation(loss, args, policy, scopes, override=None):
+    """The reference ablation: per scope, amp's gradient (``jax.jit(jax.grad)``
+    of ``jaxamp.amp``, compiled per scope) with that scope alone overridden
+    (``override``, default the default policy: an 8-bit scope to bf16), and
+    ``{"grad": {scope: 1 - e_s / e}, "loss": {scope: (|dl| - |dl_s|) / |dl|}}``
+    with ``e`` the squared gradient error against float32 and ``dl`` the loss
+    error."""
+    override = jaxamp.default_amp_policy if override is None else override
+
+    def run(pol):
+        f = jaxamp.amp(loss, compute_dtype=BF16, amp_policy=pol)
+        return jax.jit(jax.value_and_grad(f))(*args)
+
+    l32, g32 = jax.jit(jax.value_and_grad(loss))(*args)
+    flat32 = [np.asarray(v, np.float64) for v in jax.tree.leaves(g32)]
+
+    def errs(pol):
+        lo, g = run(pol)
+        e = sum(
+            float(np.sum((np.asarray(a, np.float64) - b) ** 2))
+            for a, b in zip(jax.tree.leaves(g), flat32)
+        )
+        return e, abs(float(lo) - float(l32))
+
+    e0, d0 = errs(policy)
+    out = {"grad": {}, "loss": {}}
+    for scope in scopes:
+        e, d = errs({**policy, scope: override})
+        out["grad"][scope] = 1 - e / e0
+        out["loss"][scope] = (d0 - d) / d0
+    return out
+
+
 def _fp8_one_mlp(key, scope):
     fp8 = jaxamp.fp8_policy(size_rule=None)
     return {**jaxamp.default_amp_policy, key: fp8}, scope
@@ -131,7 +156,6 @@ def test_fp8_in_one_mlp_is_found_and_fixed(path_keys):
     np.testing.assert_allclose(float(jnp.sqrt(err / den)), fix.grad_error, rtol=1e-3)
 
 
-@_RANKING_MOVES_WITH_JAX
 def test_scanned_int8_gpt_ranks_scopes_as_ablation_does():
     # The report's ranking of the scanned GPT's scopes under int8 matches the
     # ablation (one amp run per scope kept in bf16), and its per-group
@@ -152,21 +176,18 @@ def test_scanned_int8_gpt_ranks_scopes_as_ablation_does():
         loss, both, x, y, compute_dtype=BF16, amp_policy=policy
     )
     # The ranking is what each fix buys: the share of the squared gradient
-    # error removed by keeping one scope in bf16, measured by re-running amp.
-    removed = {}
-    for scope in ("attn", "mlp", "head"):
-        g, _ = report.runner.errors({**policy, scope: jaxamp.default_amp_policy})
-        removed[scope] = 1 - (g / report.grad_error) ** 2
-    # At this size attn and head are close (ablation 0.40 / 0.33; the model
-    # puts them within a few points, in an order XLA's optimisation level can
-    # flip): the measured best is among the report's first two, and each
-    # estimate is near its measurement. benchmarks/RESULTS_PRECISION.md has
-    # the issue's larger model, where the head leads clearly.
-    assert max(removed, key=removed.get) in report.top(2)
-    estimate = report.scopes("grad")
-    for scope, share in removed.items():
-        assert abs(estimate[scope] - share) < 0.2, (scope, estimate, removed)
-    assert 0.7 < report.linear_fit < 1.3
+    # (and loss) error removed by keeping one scope in bf16, against a
+    # reference ablation compiled per scope by hand, as a user would.
+    ref_removed = _ablation(loss, (both, x, y), policy, ("attn", "mlp", "head"))
+    for by in ("grad", "loss"):
+        got, want = report.scopes(by), ref_removed[by]
+        assert set(got) == set(want), (got, want)
+        assert report.top(1, by) == [max(want, key=want.get)], (by, got, want)
+        for scope, share in want.items():
+            assert abs(got[scope] - share) < 0.05, (by, scope, got, want)
+    assert report.ranking.startswith("measured: each of 3 scope(s)")
+    assert report.estimated == {} and np.isnan(report.linear_fit)
+    assert report.overrides["head"] == ("head", "compute dtype")
     iters = {r.iteration for r in report.records if r.scope == "mlp"}
     assert iters == {(i,) for i in range(gpt_bench.SIZES["tiny"][1])}
 
@@ -463,7 +484,6 @@ def loop_reports():
     return out
 
 
-@_RANKING_MOVES_WITH_JAX
 def test_loops_walked_once_match_the_unrolled_walk(loop_reports):
     looped, unrolled = loop_reports[False], loop_reports[True]
     key = lambda r: (r.scope, r.iteration, r.primitive, r.format, r.source)  # noqa: E731
@@ -475,10 +495,15 @@ def test_loops_walked_once_match_the_unrolled_walk(loop_reports):
         (0,),
         (1,),
     }
+    big = 2e-2 * max(q.grad_share for q in unrolled.records)
     for r, q in zip(looped.records, unrolled.records):
         for f in ("local_error", "overflow", "underflow", "peak", "loss_share"):
             np.testing.assert_allclose(getattr(r, f), getattr(q, f), 1e-3, 1e-8)
-        np.testing.assert_allclose(r.grad_share, q.grad_share, 2e-2, 1e-8)
+        # A local backward error is a bfloat16 rounding redrawn at float32
+        # inputs that the loop and the unrolled program compute a few ulps
+        # apart: 2% of each share, or 2% of the largest share (one small
+        # share moved by 8% on JAX 0.12: 1.16e-4 against 1.07e-4).
+        np.testing.assert_allclose(r.grad_share, q.grad_share, 2e-2, big)
         # Values carried through a loop are XLA's loop program's, as amp's
         # are, not the unrolled program's; after the fori_loop they part.
         if r.scope != "head":
