@@ -19,7 +19,7 @@ import numpy as np
 from .. import _compat
 from .._base._jaxpr import bind_eqn
 from .._base._scopes import scope_path
-from ._precision_ablate import MAX_MEASURED
+from . import _precision_ablate
 from ._precision_walk import (
     DiffVisitor,
     ProbeVisitor,
@@ -243,7 +243,7 @@ def estimated(effect: tuple) -> dict:
 def lower_walk(core, consts, leaves, wrt, ctx, edge, fmt, scale):
     """One function, lowered: the differential walk, the probed float32
     gradient (every site's cotangent), every reduced site's backward error
-    and, past :data:`_precisionMAX_MEASURED` scopes only, each
+    and, past :data:`_precision_ablate.MAX_MEASURED` scopes only, each
     scope's first-order effect (:func:`scope_effects`: the probed gradient
     re-run with the scope's local errors as probes), which shortlists the
     scopes the ablation measures.
@@ -284,7 +284,7 @@ def lower_walk(core, consts, leaves, wrt, ctx, edge, fmt, scale):
         for n, st, c in zip(names, sites, chosen):
             if c:
                 formats.setdefault(n, set()).add(fmt(st)[0])
-        short = len([s for s in scopes if s]) > MAX_MEASURED
+        short = len([s for s in scopes if s]) > _precision_ablate.MAX_MEASURED
         box.update(sites=sites, scopes=scopes, paths=sorted(set(names)))
         box.update(formats=formats, shortlist=short, measure=[] if short else scopes)
         effect = None
