@@ -666,7 +666,10 @@ def test_many_scopes_are_shortlisted_by_the_estimate(monkeypatch):
     monkeypatch.setattr(_precision_ablate, "MAX_MEASURED", 2)
     loss = _gpt_loss(lambda i: "mlp")
     params, (x, y) = _gpt_params(jax.random.key(0)), _batch()
-    policy = {**jaxamp.default_amp_policy, "layer2/mlp": jaxamp.fp8_policy(size_rule=None)}
+    policy = {
+        **jaxamp.default_amp_policy,
+        "layer2/mlp": jaxamp.fp8_policy(size_rule=None),
+    }
     report = jaxamp.precision_report(
         loss, params, x, y, compute_dtype=BF16, amp_policy=policy
     )
