@@ -302,15 +302,12 @@ def precision_report(
     the amp step on the same inputs in one differential walk (see
     ``jaxamp/_tools/_precision_walk.py``; a loop's body traced once), one
     backward pass for every equation's float32 cotangent, each equation's
-    backward pass at the float32 point. Meanwhile, in a second thread, amp's
-    own jitted step and, per scope path holding reduced-precision equations,
-    amp's step with that scope alone overridden to the higher precision (the
-    ranking, :meth:`PrecisionReport.scopes`) are compiled and run, one after
-    the other: ``k`` scopes cost ``k + 1`` compiles and runs of amp's step
-    and keep ``k + 1`` host copies of the gradient until the walk ends. Past
-    :data:`jaxamp._tools._precision_ablate.MAX_MEASURED` scopes, the walk
-    also estimates each scope's share to first order and the best
-    ``MAX_MEASURED`` are measured (:attr:`PrecisionReport.ranking` says so).
+    backward pass at the float32 point. In a second thread meanwhile: amp's
+    jitted step, then per scope amp's step with that scope alone in higher
+    precision (the ranking, :meth:`PrecisionReport.scopes`): ``k`` scopes,
+    ``k + 1`` compiles and runs and ``k + 1`` host gradients. Past
+    ``_precision_ablate.MAX_MEASURED`` scopes a first-order estimate
+    shortlists those measured (:attr:`PrecisionReport.ranking`).
 
     Args:
         loss_fn: ``loss_fn(params, *rest, **kwargs)`` returning a float scalar
@@ -350,53 +347,65 @@ def precision_report(
     out = jax.eval_shape(lambda: loss_fn(*args, **kwargs))
     _check_loss(out[0] if has_aux else out)
     scale = float(loss_scale or (2.0**15 if cd == np.float16 else 1.0))
-    # amp's own step (its gradient is the error the ranking apportions) is
-    # traced here, under the caller's JAX configuration, and compiled and run
-    # in a second thread while the analysis is (XLA releases Python's lock).
+    # amp's steps are traced here, under the caller's JAX configuration.
     cache: dict = {}
-    job = _amp_step(loss_fn, args, kwargs, cd, amp_policy, has_aux, scale)
+    step = lambda p: _amp_step(loss_fn, args, kwargs, cd, p, has_aux, scale)  # noqa: E731
     lowered, box = _walk(loss_fn, args, kwargs, cd, amp_policy, has_aux, cache, scale)
-    todo = _ablate.plan(box["measure"], box["paths"], box["formats"], amp_policy)
-    # The ablations (amp's step with one scope overridden) are traced here and
-    # compiled and run in a second thread, after amp's own step, while the
-    # analysis compiles and runs (XLA releases Python's lock).
-    jobs = [job] + [_amp_step(loss_fn, args, kwargs, cd, p, has_aux, scale)
-                    for p, _, _ in todo.values()]  # fmt: skip
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        steps = pool.submit(_ablate.run_steps, jobs)
-        walk = run_walk(lowered, box)
-        (lossa, ga), *runs = steps.result()
+    walk, todo, (lossa, ga), runs = _run_all(step, lowered, box, amp_policy)
     sites, stats, g32, loss32, back_all, effect = walk
-    if box["shortlist"]:  # past MAX_MEASURED scopes: the estimate's best ones
-        est = estimated(effect)["grad"]
-        best = sorted(est, key=lambda k: -est[k])[: _ablate.MAX_MEASURED]
-        todo = _ablate.plan(best, box["paths"], box["formats"], amp_policy)
-        runs = _ablate.run_steps(
-            [_amp_step(loss_fn, args, kwargs, cd, p, has_aux, scale)
-             for p, _, _ in todo.values()]
-        )  # fmt: skip
     sums = _sums(ga, g32)
     norm = float(sums[1].sum()) ** 0.5
     records = [
         _record(_site_meta(st, cache), [*row, bk], norm)
         for st, row, bk in zip(sites, stats, back_all)
     ]
-    measured = {
-        path: (_ablate.squared_error(g, g32), lo) for path, (lo, g) in zip(todo, runs)
-    }
     runner = _precision_suggest.Runner(
         loss_fn, args, kwargs, cd, amp_policy, has_aux, scale, g32, loss32,
         amp_gradients,
     )  # fmt: skip
+    out = _assemble(runner, records, group_depth, float(lossa), ga, effect, sums)
+    return _ranked(out, box, todo, runs, sums, effect)
+
+
+def _run_all(step, lowered, box, policy) -> tuple:
+    """Run the walk and the ablations: ``(walk, plan, amp's (loss,
+    gradient), the measured scopes' (loss, gradient))``. ``step(policy)``
+    lowers amp's step under ``policy``. The ablations (amp's step with one
+    scope overridden, :func:`_precision_ablate.plan`) are traced here and
+    compiled and run in a second thread, after amp's own step, while the
+    analysis compiles and runs (XLA releases Python's lock); past
+    ``MAX_MEASURED`` scopes, after it, for the estimate's best ones."""
+    todo = _ablate.plan(box["measure"], box["paths"], box["formats"], policy)
+    jobs = [step(policy)] + [step(p) for p, _, _ in todo.values()]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        steps = pool.submit(_ablate.run_steps, jobs)
+        walk = run_walk(lowered, box)
+        base, *runs = steps.result()
+    if box["shortlist"]:
+        est = estimated(walk[5])["grad"]
+        best = sorted(est, key=lambda k: -est[k])[: _ablate.MAX_MEASURED]
+        todo = _ablate.plan(best, box["paths"], box["formats"], policy)
+        runs = _ablate.run_steps([step(p) for p, _, _ in todo.values()])
+    return walk, todo, base, runs
+
+
+def _ranked(out, box, todo, runs, sums, effect) -> PrecisionReport:
+    """``out`` with the measured ranking (``runs``: the scopes' ``(loss,
+    gradient)`` in ``todo``'s order), the estimate where it ran, and the
+    runs kept for ``suggest``."""
+    runner, g32 = out.runner, out.runner.g32
+    norm = float(sums[1].sum()) ** 0.5
+    measured = {
+        path: (_ablate.squared_error(g, g32), lo) for path, (lo, g) in zip(todo, runs)
+    }
     for path, (e, lo) in measured.items():  # suggest() reuses these runs
         g = (e / norm**2) ** 0.5 if norm else float(e > 0)
-        runner.measured[frozenset({todo[path][1]})] = (g, _loss_error(lo, loss32))
-    ranking = _ranking_note(box, todo)
-    removed = _ablate.removal(
-        (float(sums[0].sum()), float(lossa)), measured, (norm**2, loss32)
+        loss_err = _loss_error(lo, runner.loss32)
+        runner.measured[frozenset({todo[path][1]})] = (g, loss_err)
+    out.removed = _ablate.removal(
+        (float(sums[0].sum()), out.loss), measured, (norm**2, runner.loss32)
     )
-    out = _assemble(runner, records, group_depth, float(lossa), ga, effect, sums)
-    out.removed, out.ranking = removed, ranking
+    out.ranking = _ranking_note(box, todo)
     out.estimated = estimated(effect) if effect is not None else {}
     out.overrides = {p: (key, kind) for p, (_, key, kind) in todo.items()}
     return out
