@@ -1,10 +1,13 @@
-"""The ranking and the per-iteration bookkeeping of
-:func:`jaxamp.precision_report`: the probed float32 gradient (zero probes on
-the reduced-precision sites' outputs and their inputs' cotangents), each
-site's local backward error, each scope's error propagated through the rest
-of the step (the probed gradient re-run with that scope's local errors as
-probes, one scope at a time in a ``lax.map``), and
-a loop's stacked per-iteration results turned into one site per iteration."""
+"""The compiled analysis of :func:`jaxamp.precision_report` and its
+per-iteration bookkeeping: the differential walk lowered as one function
+(:func:`lower_walk`, :func:`run_walk`), the probed float32 gradient (zero
+probes on the reduced-precision sites' outputs and their inputs'
+cotangents), each site's local backward error, the first-order estimate of
+each scope's share (its local errors propagated through the rest of the step:
+the probed gradient re-run with them as probes, one scope at a time in a
+``lax.map``; only past ``_precision_ablate.MAX_MEASURED`` scopes, to
+shortlist the scopes the measured ranking runs), and a loop's stacked
+per-iteration results turned into one site per iteration."""
 
 from __future__ import annotations
 
