@@ -383,7 +383,9 @@ def _run_all(step, lowered, box, policy) -> tuple:
         base, *runs = steps.result()
     if box["shortlist"]:
         est = estimated(walk[5])["grad"]
-        best = sorted(est, key=lambda k: -est[k])[: _ablate.MAX_MEASURED]
+        # Unscoped equations (path "") have no policy key: never shortlisted.
+        best = sorted((k for k in est if k), key=lambda k: -est[k])
+        best = best[: _ablate.MAX_MEASURED]
         todo = _ablate.plan(best, box["paths"], box["formats"], policy)
         runs = _ablate.run_steps([step(p) for p, _, _ in todo.values()])
     return walk, todo, base, runs
