@@ -19,14 +19,6 @@ from jax.sharding import PartitionSpec as P
 import jaxamp
 from jaxamp import _compat
 
-# The report's first-order ranking moves with the JAX version (issue 50: the
-# ranking becomes measured ablation); on JAX 0.12 these two figures do not hold.
-_RANKING_MOVES_WITH_JAX = pytest.mark.xfail(
-    _compat.JAX_VERSION[:2] >= (0, 12),
-    reason="issue 50: the first-order ranking differs from ablation on JAX 0.12",
-    strict=True,
-)
-
 ROOT = Path(__file__).resolve().parents[1]
 BF16 = jnp.bfloat16
 D, T, B, V, L = 16, 8, 2, 32, 3
@@ -87,6 +79,39 @@ def _batch(seed=1):
     return tok[:, :-1], tok[:, 1:]
 
 
+def _ablation(loss, args, policy, scopes, override=None):
+    """The reference ablation: per scope, amp's gradient (``jax.jit(jax.grad)``
+    of ``jaxamp.amp``, compiled per scope) with that scope alone overridden
+    (``override``, default the default policy: an 8-bit scope to bf16), and
+    ``{"grad": {scope: 1 - e_s / e}, "loss": {scope: (|dl| - |dl_s|) / |dl|}}``
+    with ``e`` the squared gradient error against float32 and ``dl`` the loss
+    error."""
+    override = jaxamp.default_amp_policy if override is None else override
+
+    def run(pol):
+        f = jaxamp.amp(loss, compute_dtype=BF16, amp_policy=pol)
+        return jax.jit(jax.value_and_grad(f))(*args)
+
+    l32, g32 = jax.jit(jax.value_and_grad(loss))(*args)
+    flat32 = [np.asarray(v, np.float64) for v in jax.tree.leaves(g32)]
+
+    def errs(pol):
+        lo, g = run(pol)
+        e = sum(
+            float(np.sum((np.asarray(a, np.float64) - b) ** 2))
+            for a, b in zip(jax.tree.leaves(g), flat32)
+        )
+        return e, abs(float(lo) - float(l32))
+
+    e0, d0 = errs(policy)
+    out = {"grad": {}, "loss": {}}
+    for scope in scopes:
+        e, d = errs({**policy, scope: override})
+        out["grad"][scope] = 1 - e / e0
+        out["loss"][scope] = (d0 - d) / d0
+    return out
+
+
 def _fp8_one_mlp(key, scope):
     fp8 = jaxamp.fp8_policy(size_rule=None)
     return {**jaxamp.default_amp_policy, key: fp8}, scope
@@ -131,7 +156,6 @@ def test_fp8_in_one_mlp_is_found_and_fixed(path_keys):
     np.testing.assert_allclose(float(jnp.sqrt(err / den)), fix.grad_error, rtol=1e-3)
 
 
-@_RANKING_MOVES_WITH_JAX
 def test_scanned_int8_gpt_ranks_scopes_as_ablation_does():
     # The report's ranking of the scanned GPT's scopes under int8 matches the
     # ablation (one amp run per scope kept in bf16), and its per-group
@@ -152,21 +176,18 @@ def test_scanned_int8_gpt_ranks_scopes_as_ablation_does():
         loss, both, x, y, compute_dtype=BF16, amp_policy=policy
     )
     # The ranking is what each fix buys: the share of the squared gradient
-    # error removed by keeping one scope in bf16, measured by re-running amp.
-    removed = {}
-    for scope in ("attn", "mlp", "head"):
-        g, _ = report.runner.errors({**policy, scope: jaxamp.default_amp_policy})
-        removed[scope] = 1 - (g / report.grad_error) ** 2
-    # At this size attn and head are close (ablation 0.40 / 0.33; the model
-    # puts them within a few points, in an order XLA's optimisation level can
-    # flip): the measured best is among the report's first two, and each
-    # estimate is near its measurement. benchmarks/RESULTS_PRECISION.md has
-    # the issue's larger model, where the head leads clearly.
-    assert max(removed, key=removed.get) in report.top(2)
-    estimate = report.scopes("grad")
-    for scope, share in removed.items():
-        assert abs(estimate[scope] - share) < 0.2, (scope, estimate, removed)
-    assert 0.7 < report.linear_fit < 1.3
+    # (and loss) error removed by keeping one scope in bf16, against a
+    # reference ablation compiled per scope by hand, as a user would.
+    ref_removed = _ablation(loss, (both, x, y), policy, ("attn", "mlp", "head"))
+    for by in ("grad", "loss"):
+        got, want = report.scopes(by), ref_removed[by]
+        assert set(got) == set(want), (got, want)
+        assert report.top(1, by) == [max(want, key=want.get)], (by, got, want)
+        for scope, share in want.items():
+            assert abs(got[scope] - share) < 0.05, (by, scope, got, want)
+    assert report.ranking.startswith("measured: each of 3 scope(s)")
+    assert report.estimated == {} and np.isnan(report.linear_fit)
+    assert report.overrides["head"] == ("head", "compute dtype")
     iters = {r.iteration for r in report.records if r.scope == "mlp"}
     assert iters == {(i,) for i in range(gpt_bench.SIZES["tiny"][1])}
 
@@ -463,7 +484,6 @@ def loop_reports():
     return out
 
 
-@_RANKING_MOVES_WITH_JAX
 def test_loops_walked_once_match_the_unrolled_walk(loop_reports):
     looped, unrolled = loop_reports[False], loop_reports[True]
     key = lambda r: (r.scope, r.iteration, r.primitive, r.format, r.source)  # noqa: E731
@@ -475,10 +495,15 @@ def test_loops_walked_once_match_the_unrolled_walk(loop_reports):
         (0,),
         (1,),
     }
+    big = 2e-2 * max(q.grad_share for q in unrolled.records)
     for r, q in zip(looped.records, unrolled.records):
         for f in ("local_error", "overflow", "underflow", "peak", "loss_share"):
             np.testing.assert_allclose(getattr(r, f), getattr(q, f), 1e-3, 1e-8)
-        np.testing.assert_allclose(r.grad_share, q.grad_share, 2e-2, 1e-8)
+        # A local backward error is a bfloat16 rounding redrawn at float32
+        # inputs that the loop and the unrolled program compute a few ulps
+        # apart: 2% of each share, or 2% of the largest share (one small
+        # share moved by 8% on JAX 0.12: 1.16e-4 against 1.07e-4).
+        np.testing.assert_allclose(r.grad_share, q.grad_share, 2e-2, big)
         # Values carried through a loop are XLA's loop program's, as amp's
         # are, not the unrolled program's; after the fori_loop they part.
         if r.scope != "head":
@@ -567,3 +592,91 @@ def test_compile_analysis_runs_and_keeps_xla_flags(monkeypatch):
     low = _Lowered(refuse=True)
     assert _compat.compile_analysis(low) == "compiled"
     assert low.calls == [None]
+
+
+def test_flax_nn_scan_remat_int8_ranking_and_suggestion():
+    # Flax nn.scan over nn.remat blocks (one scope switch covers every
+    # iteration), int8 everywhere: the measured ranking is the reference
+    # ablation's, and suggest()'s policy meets its target when amp re-runs it.
+    import flax.linen as nn
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, h, _):
+            with jax.named_scope("attn"):
+                a = nn.Dense(D, use_bias=False)(_ln(h))
+                h = h + nn.Dense(D, use_bias=False)(jnp.tanh(a))
+            with jax.named_scope("mlp"):
+                z = nn.Dense(4 * D, use_bias=False)(_ln(h))
+                return h + nn.Dense(D, use_bias=False)(jax.nn.gelu(z)), None
+
+    stack = nn.scan(
+        nn.remat(Block), variable_axes={"params": 0},
+        split_rngs={"params": True}, length=L,
+    )()  # fmt: skip
+    x = round_bf16(jax.random.normal(jax.random.key(4), (B * T, D)))
+    variables = round_bf16(stack.init(jax.random.key(5), x, None))
+    head = round_bf16(jax.random.normal(jax.random.key(6), (D, V)) * D**-0.5)
+    y = jax.random.randint(jax.random.key(7), (B * T,), 0, V)
+
+    def loss(p, x, y):
+        h = stack.apply(p["stack"], x, None)[0]
+        with jax.named_scope("head"):
+            return _xent(_ln(h) @ p["head"], y)
+
+    params = {"stack": variables, "head": head}
+    policy = jaxamp.int8_policy(size_rule=None, quantize_last_matmul=True)
+    report = jaxamp.precision_report(
+        loss, params, x, y, compute_dtype=BF16, amp_policy=policy
+    )
+    assert {r.iteration for r in report.records if r.scope.endswith("mlp")} == {
+        (i,) for i in range(L)
+    }
+    keys = {path: key for path, (key, _) in report.overrides.items()}
+    want = _ablation(loss, (params, x, y), policy, list(keys.values()))
+    got = {keys[p]: v for p, v in report.scopes("grad").items()}
+    assert max(got, key=got.get) == max(want["grad"], key=want["grad"].get)
+    for k, share in want["grad"].items():
+        assert abs(got[k] - share) < 0.05, (k, got, want)
+    # Flax names each Dense as a scope of its own (Block/mlp/Dense_3); one
+    # of them alone removes about half of the squared error here (int8
+    # roundings of the others partly cancel: some shares are negative).
+    target = 0.8 * report.grad_error
+    fix = report.suggest(grad_error=target)
+    assert fix.met and fix.grad_error <= target and len(fix.overrides) == 1
+    assert set(fix.overrides.values()) == {"compute dtype"}
+    fixed = jaxamp.amp(loss, compute_dtype=BF16, amp_policy=fix)
+    g = jax.jit(jax.grad(fixed))(params, x, y)
+    g32 = jax.grad(loss)(params, x, y)
+    num = sum(
+        jnp.sum(jnp.square(a - b))
+        for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g32))
+    )
+    den = sum(jnp.sum(jnp.square(b)) for b in jax.tree.leaves(g32))
+    rerun = float(jnp.sqrt(num / den))
+    assert rerun <= target * 1.001
+    np.testing.assert_allclose(rerun, fix.grad_error, rtol=1e-3)
+
+
+def test_many_scopes_are_shortlisted_by_the_estimate(monkeypatch):
+    # Past MAX_MEASURED scopes the first-order estimate picks the scopes the
+    # ablation measures, and the report says so.
+    from jaxamp._tools import _precision_ablate
+
+    monkeypatch.setattr(_precision_ablate, "MAX_MEASURED", 2)
+    loss = _gpt_loss(lambda i: "mlp")
+    params, (x, y) = _gpt_params(jax.random.key(0)), _batch()
+    policy = {
+        **jaxamp.default_amp_policy,
+        "layer2/mlp": jaxamp.fp8_policy(size_rule=None),
+    }
+    report = jaxamp.precision_report(
+        loss, params, x, y, compute_dtype=BF16, amp_policy=policy
+    )
+    # Three layers' attn and mlp and the head: 7 scopes, 2 measured.
+    assert len(report.estimated["grad"]) == 7 and len(report.scopes()) == 2
+    assert "measured for 2 of 7 scopes, shortlisted" in report.ranking
+    assert "shortlisted" in str(report)
+    est = report.estimated["grad"]
+    assert set(report.scopes()) == set(sorted(est, key=est.get)[-2:])
+    assert report.top(1) == ["layer2/mlp"] and np.isfinite(report.linear_fit)

@@ -33,6 +33,7 @@ def to_json(report: Any) -> dict:
         "grad_errors": report.grad_errors,
         "ranking_grad": {k: _num(v) for k, v in report.scopes("grad").items()},
         "ranking_loss": {k: _num(v) for k, v in report.scopes("loss").items()},
+        "ranking": report.ranking,
         "linear_fit": _num(report.linear_fit),
         "records": recs,
     }
@@ -88,8 +89,9 @@ def text(report: Any) -> str:
     )
     lines = [head + f"per parameter group: {groups}", ""]
     lines.append(
-        "grad / loss removed: estimated share of the error removed by running the "
-        f"scope as float32 (linear fit residual {report.linear_fit:.2f})"
+        "grad / loss removed: measured share of the error removed by running the "
+        "scope alone in higher precision (8-bit: compute dtype, else float32); "
+        f"ranking {report.ranking or 'not measured'}"
     )
     lines.append(
         f"{'scope':<28} {'grad rem.':>9} {'loss rem.':>9} {'bwd local':>9} "

@@ -1,10 +1,13 @@
-"""The ranking and the per-iteration bookkeeping of
-:func:`jaxamp.precision_report`: the probed float32 gradient (zero probes on
-the reduced-precision sites' outputs and their inputs' cotangents), each
-site's local backward error, each scope's error propagated through the rest
-of the step (the probed gradient re-run with that scope's local errors as
-probes, one scope at a time in a ``lax.map``), and
-a loop's stacked per-iteration results turned into one site per iteration."""
+"""The compiled analysis of :func:`jaxamp.precision_report` and its
+per-iteration bookkeeping: the differential walk lowered as one function
+(:func:`lower_walk`, :func:`run_walk`), the probed float32 gradient (zero
+probes on the reduced-precision sites' outputs and their inputs'
+cotangents), each site's local backward error, the first-order estimate of
+each scope's share (its local errors propagated through the rest of the step:
+the probed gradient re-run with them as probes, one scope at a time in a
+``lax.map``; only past ``_precision_ablate.MAX_MEASURED`` scopes, to
+shortlist the scopes the measured ranking runs), and a loop's stacked
+per-iteration results turned into one site per iteration."""
 
 from __future__ import annotations
 
@@ -16,8 +19,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import _compat
 from .._base._jaxpr import bind_eqn
+from .._base._scopes import scope_path
+from . import _precision_ablate
 from ._precision_walk import (
+    DiffVisitor,
     ProbeVisitor,
     Site,
     _float_inputs,
@@ -216,3 +223,95 @@ def per_iteration(sites: list, stats: list, back: list) -> tuple[list, list, lis
             rows.append((order, one, row[t], float(b[t])))
     rows.sort(key=lambda r: r[0])
     return [r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows]
+
+
+def estimated(effect: tuple) -> dict:
+    """The first-order estimate's shares (:func:`scope_effects`):
+    ``{"grad": {scope: share}, "loss": {scope: share}}``."""
+    scopes, d_loss, dots, sq, model_sq = effect
+    loss_err = float(np.sum(d_loss))
+    grad = {
+        k: float((2 * d - n) / model_sq) if model_sq else 0.0
+        for k, d, n in zip(scopes, dots, sq)
+    }
+    loss = {
+        k: float((abs(loss_err) - abs(loss_err - dl)) / abs(loss_err))
+        if loss_err
+        else 0.0
+        for k, dl in zip(scopes, d_loss)
+    }
+    return {"grad": grad, "loss": loss}
+
+
+def lower_walk(core, consts, leaves, wrt, ctx, edge, fmt, scale):
+    """One function, lowered: the differential walk, the probed float32
+    gradient (every site's cotangent), every reduced site's backward error
+    and, past :data:`_precision_ablate.MAX_MEASURED` scopes only, each
+    scope's first-order effect (:func:`scope_effects`: the probed gradient
+    re-run with the scope's local errors as probes), which shortlists the
+    scopes the ablation measures.
+
+    Returns ``(lowered, box)``; ``box`` holds what the trace found: the sites
+    (tracers until :func:`run_walk`), the scope paths of the reduced sites
+    (``"scopes"``), those measured (``"measure"``), all paths (``"paths"``),
+    the formats per path and whether the estimate ran (``"shortlist"``)."""
+    box: dict = {}
+
+    def run(xs):
+        visitor = DiffVisitor(lambda site: fmt(site)[1])
+        pairs, cpairs = [(x, x) for x in xs], [(c, c) for c in consts]
+        traverse(visitor, core, cpairs, pairs, ctx, edge)
+        sites = visitor.sites
+        shapes = probe_shapes(core, consts, xs, ctx, edge)
+        chosen = [
+            fmt(st)[1] and bool(o) and bool(i)
+            for st, o, i in zip(sites, shapes.shapes, shapes.in_shapes)
+        ]
+        # Probes only where amp's equation differs from float32's.
+        fp0 = [
+            [jnp.zeros(a.shape, a.dtype) for a in sh] if c else None
+            for sh, c in zip(shapes.shapes, chosen)
+        ]
+        bp0 = [
+            [jnp.zeros(a.shape, jnp.float32) for a in sh] if c else None
+            for sh, c in zip(shapes.in_shapes, chosen)
+        ]
+        G = probed_gradient(core, consts, xs, wrt, ctx, edge, shapes.counts)
+        params = [xs[i] for i in wrt]
+        loss32, (g32, cts) = G(params, fp0, bp0)
+        deltas = backward_deltas(sites, cts, chosen, scale)
+        back = norms(sites, deltas)
+        names = [scope_path(st.scopes) for st in sites]
+        scopes = list(dict.fromkeys(n for n, c in zip(names, chosen) if c))
+        formats: dict = {}
+        for n, st, c in zip(names, sites, chosen):
+            if c:
+                formats.setdefault(n, set()).add(fmt(st)[0])
+        short = len([s for s in scopes if s]) > _precision_ablate.MAX_MEASURED
+        box.update(sites=sites, scopes=scopes, paths=sorted(set(names)))
+        box.update(formats=formats, shortlist=short, measure=[] if short else scopes)
+        effect = None
+        if short:
+            probed = lambda fp, bp: G(params, fp, bp)  # noqa: E731
+            base = (loss32, g32)
+            effect = scope_effects(names, sites, chosen, deltas, probed, base)[1]
+        stats = [with_share(st, g) for st, g in zip(sites, cts)]
+        return [loss32, back, stats, g32, effect]
+
+    box["leaves"] = leaves
+    return jax.jit(run).lower(leaves), box
+
+
+def run_walk(lowered: Any, box: dict) -> tuple:
+    """Compile and run :func:`lower_walk`'s function: the sites (their
+    values concrete, one per loop iteration), their statistics, the float32
+    gradient, the float32 loss, the backward errors and the first-order
+    effect ``(scopes, loss change, <model total, change>, |change|^2,
+    |model total|^2)`` (None when not estimated)."""
+    compiled = _compat.compile_analysis(lowered)
+    loss32, back, stats, g32, effect = compiled(box["leaves"])
+    sites, stats, back = per_iteration(box["sites"], stats, back)
+    if effect is not None:
+        d_loss, dots, sq, model_sq = (np.asarray(e, np.float64) for e in effect)
+        effect = (box["scopes"], d_loss, dots, sq, float(model_sq))
+    return sites, stats, g32, float(loss32), back, effect

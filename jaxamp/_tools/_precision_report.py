@@ -11,17 +11,16 @@ site's float32 cotangent ``g = dL/dy``): ``|<g, y_local - y_32>|`` for the
 loss and ``|VJP_amp(x_32; g) - VJP_32(x_32; g)|`` (the local error of the
 backward pass amp runs for it) for the gradient.
 
-Scopes are ranked by what restoring them buys: each scope's local forward and
-backward errors are propagated through the rest of the step by re-running
-the probed float32 gradient (``probed_gradient``) with them as probes, one
-scope at a time inside the one compiled function;
-the shares of the model's total gradient (and loss) error each scope's part
-removes order them. The idea of ranking layers by sensitivity times
-perturbation is HAWQ's (Dong et al., 2019); the greedy fallback of the worst
-ops to higher precision until a target is met is Intel Neural Compressor's
-``AutoMixedPrecisionTuneStrategy``; AIMET's QuantAnalyzer measures per-layer
-ablations (one evaluation per layer), which the benchmark uses as the ground
-truth. The plain-text table and the PNG are in ``_precision_plot.py``.
+Scopes are ranked by what restoring them buys, measured: amp's step re-run
+with each scope alone in the higher precision (``_precision_ablate.py``;
+AIMET's QuantAnalyzer enables one layer's quantizers at a time the same way),
+each compiled and run in a second thread while the walk runs. Past
+``MAX_MEASURED`` scopes the first-order estimate (each scope's local errors
+propagated through the probed float32 gradient, HAWQ's sensitivity times
+perturbation, Dong et al., 2019) shortlists the scopes measured. The greedy
+fallback of the worst ops to higher precision until a target is met is Intel
+Neural Compressor's ``AutoMixedPrecisionTuneStrategy``. The plain-text table
+and the PNG are in ``_precision_plot.py``.
 """
 
 from __future__ import annotations
@@ -46,17 +45,10 @@ from .._base._structure import describe
 from .._policy._lookup import AmpPolicy
 from .._policy._rules import default_amp_policy
 from .._walk._loop import AmpContext
+from . import _precision_ablate as _ablate
 from . import _precision_plot, _precision_suggest
-from ._precision_rank import (
-    backward_deltas,
-    norms,
-    per_iteration,
-    probe_shapes,
-    probed_gradient,
-    scope_effects,
-    with_share,
-)
-from ._precision_walk import DiffVisitor, Site, traverse
+from ._precision_rank import estimated, lower_walk, run_walk
+from ._precision_walk import Site
 
 _TRANSCENDENTAL = {
     "exp",
@@ -310,9 +302,12 @@ def precision_report(
     the amp step on the same inputs in one differential walk (see
     ``jaxamp/_tools/_precision_walk.py``; a loop's body traced once), one
     backward pass for every equation's float32 cotangent, each equation's
-    backward pass at the float32 point, and the float32 gradient re-run once
-    per scope with that scope's local errors added (the ranking). amp's own
-    jitted step is compiled and run in a second thread meanwhile.
+    backward pass at the float32 point. In a second thread meanwhile: amp's
+    jitted step, then per scope amp's step with that scope alone in higher
+    precision (the ranking, :meth:`PrecisionReport.scopes`): ``k`` scopes,
+    ``k + 1`` compiles and runs and ``k + 1`` host gradients. Past
+    ``_precision_ablate.MAX_MEASURED`` scopes a first-order estimate
+    shortlists those measured (:attr:`PrecisionReport.ranking`).
 
     Args:
         loss_fn: ``loss_fn(params, *rest, **kwargs)`` returning a float scalar
@@ -352,15 +347,11 @@ def precision_report(
     out = jax.eval_shape(lambda: loss_fn(*args, **kwargs))
     _check_loss(out[0] if has_aux else out)
     scale = float(loss_scale or (2.0**15 if cd == np.float16 else 1.0))
-    # amp's own step (its gradient is the error the ranking apportions) is
-    # traced here, under the caller's JAX configuration, and compiled and run
-    # in a second thread while the analysis is (XLA releases Python's lock).
+    # amp's steps are traced here, under the caller's JAX configuration.
     cache: dict = {}
-    job = _amp_step(loss_fn, args, kwargs, cd, amp_policy, has_aux, scale)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        amp_step = pool.submit(lambda: job[0].compile()(job[1]))
-        walk = _walk(loss_fn, args, kwargs, cd, amp_policy, has_aux, cache, scale)
-        lossa, ga = amp_step.result()
+    step = lambda p: _amp_step(loss_fn, args, kwargs, cd, p, has_aux, scale)  # noqa: E731
+    lowered, box = _walk(loss_fn, args, kwargs, cd, amp_policy, has_aux, cache, scale)
+    walk, todo, (lossa, ga), runs = _run_all(step, lowered, box, amp_policy)
     sites, stats, g32, loss32, back_all, effect = walk
     sums = _sums(ga, g32)
     norm = float(sums[1].sum()) ** 0.5
@@ -372,13 +363,77 @@ def precision_report(
         loss_fn, args, kwargs, cd, amp_policy, has_aux, scale, g32, loss32,
         amp_gradients,
     )  # fmt: skip
-    return _assemble(runner, records, group_depth, float(lossa), ga, effect, sums)
+    out = _assemble(runner, records, group_depth, float(lossa), ga, effect, sums)
+    return _ranked(out, box, todo, runs, sums, effect)
+
+
+def _run_all(step, lowered, box, policy) -> tuple:
+    """Run the walk and the ablations: ``(walk, plan, amp's (loss,
+    gradient), the measured scopes' (loss, gradient))``. ``step(policy)``
+    lowers amp's step under ``policy``. The ablations (amp's step with one
+    scope overridden, :func:`_precision_ablate.plan`) are traced here and
+    compiled and run in a second thread, after amp's own step, while the
+    analysis compiles and runs (XLA releases Python's lock); past
+    ``MAX_MEASURED`` scopes, after it, for the estimate's best ones."""
+    todo = _ablate.plan(box["measure"], box["paths"], box["formats"], policy)
+    jobs = [step(policy)] + [step(p) for p, _, _ in todo.values()]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        steps = pool.submit(_ablate.run_steps, jobs)
+        walk = run_walk(lowered, box)
+        base, *runs = steps.result()
+    if box["shortlist"]:
+        est = estimated(walk[5])["grad"]
+        # Unscoped equations (path "") have no policy key: never shortlisted.
+        best = sorted((k for k in est if k), key=lambda k: -est[k])
+        best = best[: _ablate.MAX_MEASURED]
+        todo = _ablate.plan(best, box["paths"], box["formats"], policy)
+        runs = _ablate.run_steps([step(p) for p, _, _ in todo.values()])
+    return walk, todo, base, runs
+
+
+def _ranked(out, box, todo, runs, sums, effect) -> PrecisionReport:
+    """``out`` with the measured ranking (``runs``: the scopes' ``(loss,
+    gradient)`` in ``todo``'s order), the estimate where it ran, and the
+    runs kept for ``suggest``."""
+    runner, g32 = out.runner, out.runner.g32
+    norm = float(sums[1].sum()) ** 0.5
+    measured = {
+        path: (_ablate.squared_error(g, g32), lo) for path, (lo, g) in zip(todo, runs)
+    }
+    for path, (e, lo) in measured.items():  # suggest() reuses these runs
+        g = (e / norm**2) ** 0.5 if norm else float(e > 0)
+        loss_err = _loss_error(lo, runner.loss32)
+        runner.measured[frozenset({todo[path][1]})] = (g, loss_err)
+    out.removed = _ablate.removal(
+        (float(sums[0].sum()), out.loss), measured, (norm**2, runner.loss32)
+    )
+    out.ranking = _ranking_note(box, todo)
+    out.estimated = estimated(effect) if effect is not None else {}
+    out.overrides = {p: (key, kind) for p, (_, key, kind) in todo.items()}
+    return out
+
+
+def _loss_error(loss: float, loss32: float) -> float:
+    """``|loss - loss32| / |loss32|``, as :attr:`PrecisionReport.loss_error`."""
+    return abs(loss - loss32) / max(abs(loss32), 1e-30)
+
+
+def _ranking_note(box: dict, todo: dict) -> str:
+    """What the ranking is: measured for every scope, or for a shortlist."""
+    n = len([s for s in box["scopes"] if s])
+    if not box["shortlist"]:
+        return f"measured: each of {len(todo)} scope(s) alone in higher precision"
+    return (
+        f"measured for {len(todo)} of {n} scopes, shortlisted by the first-order "
+        f"estimate (more than {_ablate.MAX_MEASURED} scopes)"
+    )
 
 
 def _assemble(runner, records, group_depth, lossa, ga, effect, sums) -> PrecisionReport:
     """The report: amp's measured gradient against float32's per parameter
-    group (``sums``: :func:`_sums` of the two), the records, each scope's
-    estimated effect, the runner for ``suggest``."""
+    group (``sums``: :func:`_sums` of the two), the records, the first-order
+    estimate's fit where it ran (``effect``, else None), the runner for
+    ``suggest``."""
     r = runner
     params = eqx.filter(r.args[0], eqx.is_array)
     names = [
@@ -387,20 +442,10 @@ def _assemble(runner, records, group_depth, lossa, ga, effect, sums) -> Precisio
         if is_float(x.dtype)
     ]
     tree = jax.tree.structure(eqx.filter(params, lambda x: is_float(x.dtype)))
-    scopes, d_loss, dots, sq, model_sq = effect
+    fit = float("nan")
     meas_sq = float(sums[0].sum())
-    fit = (model_sq / meas_sq) ** 0.5 if meas_sq else float("nan")
-    loss_err = float(np.sum(d_loss))  # the model's loss error
-    grad_removed = {
-        k: float((2 * d - n) / model_sq) if model_sq else 0.0
-        for k, d, n in zip(scopes, dots, sq)
-    }
-    loss_removed = {
-        k: float((abs(loss_err) - abs(loss_err - dl)) / abs(loss_err))
-        if loss_err
-        else 0.0
-        for k, dl in zip(scopes, d_loss)
-    }
+    if effect is not None and meas_sq:
+        fit = (effect[4] / meas_sq) ** 0.5
     return PrecisionReport(
         records=records,
         loss32=r.loss32,
@@ -410,7 +455,6 @@ def _assemble(runner, records, group_depth, lossa, ga, effect, sums) -> Precisio
         grads=jax.tree.unflatten(tree, ga),
         grads32=jax.tree.unflatten(tree, r.g32),
         runner=r,
-        removed={"grad": grad_removed, "loss": loss_removed},
         linear_fit=float(fit),
     )
 
@@ -424,10 +468,8 @@ def _check_loss(loss: Any) -> None:
 
 
 def _walk(fn, args, kwargs, cd, policy, has_aux, cache, scale):
-    """Trace ``fn``; the differential walk's sites, their float32
-    cotangents, the float32 gradient (leaves of ``args[0]``'s float arrays),
-    the float32 loss, the backward errors and each scope's effect (see
-    :func:`_compiled_walk`)."""
+    """Trace ``fn``; the differential walk, lowered, and what its trace
+    found (:func:`_precision_rank.lower_walk`)."""
     dynamic, static = eqx.partition((args, kwargs), eqx.is_array)
     leaves, treedef = jax.tree_util.tree_flatten(dynamic)
     n0 = len(jax.tree.leaves(eqx.filter(args[0], eqx.is_array)))
@@ -441,64 +483,8 @@ def _walk(fn, args, kwargs, cd, policy, has_aux, cache, scale):
     core, consts = _compat.jaxpr_parts(jax.make_jaxpr(flat)(*leaves))
     ctx = AmpContext(cd, AmpPolicy(policy), DEFAULT_PIPELINE)
     edge = ((0,) * len(core.outvars), None)
-    reduced = lambda site: _format(site, cache)[1]  # noqa: E731
-    return _compiled_walk(core, consts, leaves, wrt, ctx, edge, reduced, scale)
-
-
-def _compiled_walk(core, consts, leaves, wrt, ctx, edge, reduced, scale):
-    """One compiled function: the differential walk, the probed float32
-    gradient, every reduced site's backward error, and each scope's effect:
-    the probed gradient (:func:`probed_gradient`) re-run with the scope's
-    local forward and backward errors as probes, minus the unprobed one,
-    i.e. the change of the loss and of the gradient those errors cause
-    through the rest of the step (exact propagation of the local errors; one
-    evaluation per scope, :func:`scope_effects`).
-
-    Returns the sites (their values concrete, read back from its outputs),
-    their statistics, the float32 gradient, the float32 loss, the backward
-    errors and ``(scopes, loss change, <model total, change>, |change|^2,
-    |model total|^2)`` (per scope where indexed)."""
-    box: list = []
-
-    def run(xs):
-        visitor = DiffVisitor(reduced)
-        pairs, cpairs = [(x, x) for x in xs], [(c, c) for c in consts]
-        traverse(visitor, core, cpairs, pairs, ctx, edge)
-        sites = visitor.sites
-        box.append(sites)
-        shapes = probe_shapes(core, consts, xs, ctx, edge)
-        chosen = [
-            reduced(st) and bool(o) and bool(i)
-            for st, o, i in zip(sites, shapes.shapes, shapes.in_shapes)
-        ]
-        # Probes only where amp's equation differs from float32's.
-        fp0 = [
-            [jnp.zeros(a.shape, a.dtype) for a in sh] if c else None
-            for sh, c in zip(shapes.shapes, chosen)
-        ]
-        bp0 = [
-            [jnp.zeros(a.shape, jnp.float32) for a in sh] if c else None
-            for sh, c in zip(shapes.in_shapes, chosen)
-        ]
-        G = probed_gradient(core, consts, xs, wrt, ctx, edge, shapes.counts)
-        params = [xs[i] for i in wrt]
-        loss32, (g32, cts) = G(params, fp0, bp0)
-        deltas = backward_deltas(sites, cts, chosen, scale)
-        back = norms(sites, deltas)
-        names = [scope_path(st.scopes) for st in sites]
-        probed = lambda fp, bp: G(params, fp, bp)  # noqa: E731
-        base = (loss32, g32)
-        scopes, effect = scope_effects(names, sites, chosen, deltas, probed, base)
-        box.append(scopes)
-        stats = [with_share(st, g) for st, g in zip(sites, cts)]
-        return [loss32, back, stats, g32, effect]
-
-    compiled = _compat.compile_analysis(jax.jit(run).lower(leaves))
-    loss32, back, stats, g32, effect = compiled(leaves)
-    sites, stats, back = per_iteration(box[0], stats, back)
-    d_loss, dots, sq, model_sq = (np.asarray(e, np.float64) for e in effect)
-    effect = (box[1], d_loss, dots, sq, float(model_sq))
-    return sites, stats, g32, float(loss32), back, effect
+    fmt = lambda site: _format(site, cache)  # noqa: E731
+    return lower_walk(core, consts, leaves, wrt, ctx, edge, fmt, scale)
 
 
 @dataclasses.dataclass
@@ -516,13 +502,19 @@ class PrecisionReport:
             structure, other leaves None).
         grads32: float32's gradient, the same structure.
         removed: ``{"grad": {scope: share}, "loss": {scope: share}}``: the
-            estimated share of the error each scope's restoring removes
+            measured share of the error each scope's restoring removes
             (:meth:`scopes`).
-        linear_fit: ``|sum_s dg_s| / |dg|``: the size of the ranking's
-            model of the gradient error (the sum of the scopes' propagated
-            errors ``dg_s``) against amp's measured one ``dg`` (near 1: the
-            model accounts for the error's size; far from 1: the ranking is a
-            poor guide, check it with :meth:`suggest`, which measures).
+        ranking: how the ranking was made, in words: every scope measured,
+            or (past :data:`jaxamp._tools._precision_ablate.MAX_MEASURED`
+            scopes) a shortlist by the first-order estimate measured.
+        estimated: the first-order estimate's shares, in ``removed``'s form,
+            where it ran (past ``MAX_MEASURED`` scopes), else empty.
+        overrides: ``{scope: (policy key, "compute dtype" | "float32")}``:
+            the override each measured scope was run with.
+        linear_fit: ``|sum_s dg_s| / |dg|``: the size of the first-order
+            estimate's model of the gradient error (the sum of the scopes'
+            propagated errors ``dg_s``) against amp's measured one ``dg``,
+            where the estimate ran; NaN otherwise.
     """
 
     records: list
@@ -535,6 +527,9 @@ class PrecisionReport:
     runner: Any = dataclasses.field(default=None, repr=False)
     removed: dict = dataclasses.field(default_factory=dict)
     linear_fit: float = float("nan")
+    ranking: str = ""
+    estimated: dict = dataclasses.field(default_factory=dict)
+    overrides: dict = dataclasses.field(default_factory=dict)
 
     @property
     def grad_error(self) -> float:
@@ -549,13 +544,19 @@ class PrecisionReport:
     def scopes(self, by: str = "grad") -> dict[str, float]:
         """``{scope path: share of the error removed}``, largest first: per
         ``named_scope`` path (one entry for all the scan iterations of a
-        scope), the estimated share of amp's squared gradient error
-        (``by="grad"``) or of its loss error (``by="loss"``) that running
-        the scope's reduced-precision equations as float32 does would remove
-        (what overriding the scope in the policy buys; see
-        :func:`jaxamp.precision_report`). A share can be negative (errors of
-        the scope cancel others') or, for the loss, above the other scopes'
-        sum."""
+        scope), the share of amp's squared gradient error (``by="grad"``:
+        ``1 - e_s / e``) or of its loss error (``by="loss"``: ``(|dl| -
+        |dl_s|) / |dl|``) removed when that scope alone runs in the higher
+        precision (an 8-bit scope in the compute dtype, another in float32),
+        measured by running amp's step with the scope overridden in the
+        policy (see :func:`jaxamp.precision_report`). A share can be negative
+        (the scope's rounding had cancelled others'); shares need not add to
+        1 (errors interact). Scopes outside a shortlist (:attr:`ranking`) are
+        absent.
+
+        Raises:
+            ValueError: if ``by`` is not ``"grad"`` or ``"loss"``.
+        """
         if by not in ("grad", "loss"):
             raise ValueError(f"scopes(by=...) is 'grad' or 'loss', got {by!r}.")
         return dict(sorted(self.removed[by].items(), key=lambda kv: -kv[1]))
@@ -573,7 +574,8 @@ class PrecisionReport:
         max_overrides: int = 8,
     ):
         """The smallest set of scope overrides meeting the targets, chosen
-        greedily by :meth:`top` and verified by re-running amp; see
+        by :meth:`top` from the measured runs and verified by one more run of
+        amp (more only if it misses); see
         :func:`jaxamp._tools._precision_suggest.suggest`."""
         return _precision_suggest.suggest(self, grad_error, loss_error, max_overrides)
 

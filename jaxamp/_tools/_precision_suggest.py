@@ -1,8 +1,9 @@
 """``PrecisionReport.suggest``: the smallest set of ``named_scope`` overrides
-that meets an error target, chosen greedily by the report's ranking and
-verified by re-running amp (Intel Neural Compressor's
+that meets an error target, chosen greedily by the report's measured ranking
+and verified by re-running amp (Intel Neural Compressor's
 ``AutoMixedPrecisionTuneStrategy`` falls back op by op the same way, one full
-evaluation per trial; here the ranking predicts how many to try first)."""
+evaluation per trial; here the measured single-scope shares predict how many
+to try first, and a single scope's run is the report's own)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,10 @@ import numpy as np
 
 from .._amp import amp
 from .._base._formats import is_eight_bit
-from .._policy._rules import default_amp_policy, use_original_precision
 from ._measure import matmul_flops_by_dtype
+from ._precision_ablate import COMPUTE, FLOAT32, override, policy_key
 
-COMPUTE = "compute dtype"
-FLOAT32 = "float32"
+__all__ = ["COMPUTE", "FLOAT32", "Runner", "Suggestion", "policy_key", "suggest"]
 
 
 @dataclasses.dataclass
@@ -37,6 +37,9 @@ class Runner:
     g32: Any
     loss32: float
     gradients: Callable
+    # {frozenset of policy keys overridden: (gradient error, loss error)} of
+    # the runs the report made (each scope alone).
+    measured: dict = dataclasses.field(default_factory=dict)
 
     def errors(self, policy: Any) -> tuple[float, float]:
         """``(gradient relative L2 error, loss relative error)`` of amp under
@@ -131,19 +134,11 @@ class Suggestion(Mapping):
         )
 
 
-def policy_key(path: str, paths: list[str]) -> str:
-    """The shortest key naming scope ``path`` alone: its last component if no
-    other path has that component, else the whole ``/`` path."""
-    last = path.split("/")[-1]
-    others = [p for p in paths if p != path and last in p.split("/")]
-    return last if not others else path
-
-
 def _override(report: Any, path: str) -> tuple[Any, str]:
+    """The override of scope ``path`` (:func:`_precision_ablate.override`):
+    to the compute dtype if any of its equations ran in 8 bits."""
     eight = any(r.scope == path and is_eight_bit(r.format) for r in report.records)
-    if eight:
-        return default_amp_policy, COMPUTE
-    return {"amp_default": use_original_precision}, FLOAT32
+    return override(eight)
 
 
 def suggest(
@@ -193,7 +188,12 @@ def suggest(
             key = policy_key(path, paths)
             policy[key] = value
             overrides[key] = kind
-        g, lo = run.errors(policy) if chosen else (report.grad_error, report.loss_error)
+        if not chosen:
+            g, lo = report.grad_error, report.loss_error
+        elif frozenset(overrides) in run.measured:  # the report ran it already
+            g, lo = run.measured[frozenset(overrides)]
+        else:  # one more run verifies the combination
+            g, lo = run.errors(policy)
         if ok(g, lo) or n >= min(max_overrides, len(shares)):
             break
         n += 1
