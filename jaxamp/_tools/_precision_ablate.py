@@ -16,10 +16,10 @@ squared-error sums the report keeps (numbers, not arrays). Past
 gradient, ``_precision_rank.scope_effects``) shortlists which ones are
 measured, and the report says so (:attr:`PrecisionReport.ranking`).
 
-An earlier ranking estimated these shares to first order; on a scanned int8
-GPT it ranked ``attn`` first where ablation ranks ``head`` first, and its
-order moved with the JAX version (issue 50): rounding is redrawn at amp's own
-point, which a model taken at the float32 point cannot reproduce.
+Why measured, not estimated to first order: under amp every rounding is
+redrawn at amp's own point, which a model taken at the float32 point cannot
+reproduce; such an estimate can rank another scope first than ablation does
+(on a scanned int8 GPT) and change its order with the JAX version.
 """
 
 from __future__ import annotations
