@@ -172,6 +172,122 @@ def part1b() -> list[dict]:
     return rows
 
 
+# Checkpointed block shapes (issue 52): 4 residual blocks, width 256, 128
+# rows, each block under ``jax.checkpoint``; the value each names "act".
+BLOCKS = ("tanh", "gelu", "silu", "attention", "stream")
+BLOCK_DEPTH, BLOCK_WIDTH, BLOCK_ROWS, BLOCK_HEADS = 4, 256, 128, 4
+
+
+def _norm(x):
+    m = x.mean(-1, keepdims=True)
+    return (x - m) * jax.lax.rsqrt(jnp.square(x - m).mean(-1, keepdims=True) + 1e-5)
+
+
+def _attention(h, w):
+    n, d = BLOCK_ROWS, BLOCK_WIDTH // BLOCK_HEADS
+    q, k, v = (
+        (h @ w[name]).reshape(n, BLOCK_HEADS, d).transpose(1, 0, 2)
+        for name in ("q", "k", "v")
+    )
+    logits = jnp.einsum("hqd,hkd->hqk", q, k) / d**0.5
+    mask = jnp.tril(jnp.ones((n, n), bool))
+    p = jax.nn.softmax(jnp.where(mask, logits, -1e9), -1)
+    return jnp.einsum("hqk,hkd->hqd", p, v).transpose(1, 0, 2).reshape(n, -1)
+
+
+def block_fn(shape: str):
+    """One residual block of ``shape`` (:data:`BLOCKS`), ``(h, w) -> h``:
+    ``tanh``: ``h + name(tanh(h @ w))`` (issue 52's model); ``gelu`` /
+    ``silu``: ``h + name(act(norm(h) @ up)) @ down``; ``attention``: ``h +
+    name(causal softmax attention of norm(h)) @ o``; ``stream``: the residual
+    stream named between an attention half and a GELU MLP half."""
+    mlp = {"gelu": jax.nn.gelu, "silu": jax.nn.silu}
+
+    def block(h, w):
+        if shape == "tanh":
+            return h + checkpoint_name(jnp.tanh(h @ w["w"]), "act")
+        if shape in mlp:
+            a = checkpoint_name(mlp[shape](_norm(h) @ w["up"]), "act")
+            return h + a @ w["down"]
+        if shape == "attention":
+            return h + checkpoint_name(_attention(_norm(h), w), "act") @ w["o"]
+        a = checkpoint_name(h + _attention(_norm(h), w) @ w["o"], "act")
+        return a + jax.nn.gelu(_norm(a) @ w["up"]) @ w["down"]
+
+    return block
+
+
+def block_model(shape: str, policy):
+    """``(loss, params, x)``: :data:`BLOCK_DEPTH` blocks of ``shape``, each
+    under ``jax.checkpoint(policy=policy)``; inputs pre-rounded to bfloat16,
+    the residual stream in the hundreds (rms 100), the products' inputs of
+    order one (the tanh's pre-activation ``h @ w``, rms 1)."""
+    d, ks = BLOCK_WIDTH, jax.random.split(jax.random.key(52), 8)
+    scale = {"w": 1 / (100 * d**0.5), "up": 1 / d**0.5, "down": 30 / d**0.5}
+    scale.update(q=1 / d**0.5, k=1 / d**0.5, v=1 / d**0.5, o=30 / d**0.5)
+    names = {
+        "tanh": ("w",),
+        "gelu": ("up", "down"),
+        "silu": ("up", "down"),
+        "attention": ("q", "k", "v", "o"),
+        "stream": ("q", "k", "v", "o", "up", "down"),
+    }[shape]
+    params = {
+        "blocks": [
+            {
+                n: scale[n] * jax.random.normal(jax.random.fold_in(ks[i], j), (d, d))
+                for j, n in enumerate(names)
+            }
+            for i in range(BLOCK_DEPTH)
+        ],
+        "out": jax.random.normal(ks[-2], (d, 8)) / d**0.5,
+    }
+    to_bf16 = lambda a: a.astype(jnp.bfloat16).astype(jnp.float32)
+    params = jax.tree.map(to_bf16, params)
+    x = to_bf16(100.0 * jax.random.normal(ks[-1], (BLOCK_ROWS, d)))
+    body = jax.checkpoint(block_fn(shape), policy=policy)
+
+    def loss(params, x):
+        h = x
+        for w in params["blocks"]:
+            h = body(h, w)
+        # A linear readout to 8 outputs and a squared loss: what the head
+        # saves (its product's input) is stored the same way with or without
+        # 8-bit residuals, so the comparison is the blocks'.
+        return jnp.mean(jnp.square(h @ params["out"] / 100.0))
+
+    return loss, params, x
+
+
+def block_rows(shape: str, policy_name: str) -> list[dict]:
+    """Bytes and gradient error of :func:`block_model` per residual format,
+    against amp bfloat16's with the same checkpoint."""
+    base, params, x = block_model(shape, POLICIES[policy_name])
+    ref = jax.jit(jax.grad(base))(params, x)
+    rows, amp = [], None
+    for name in ("none", "E4M3", "int8"):
+        stored = STORED[name]
+        loss = jaxamp.amp(base, compute_dtype=jnp.bfloat16, residual_dtype=stored)
+        grads = jax.jit(jax.grad(loss))(params, x)
+        row = {
+            "block": shape,
+            "policy": policy_name,
+            "residuals": name,
+            "bytes": jaxamp.saved_residual_bytes(loss, params, x),
+            "grad_err": run._rel_l2(grads, ref),
+        }
+        amp = row if amp is None else amp
+        row["bytes_vs_amp"] = row["bytes"] / amp["bytes"]
+        row["err_vs_amp"] = row["grad_err"] / amp["grad_err"]
+        rows.append(row)
+    return rows
+
+
+def part1c() -> list[dict]:
+    """Each block shape of :data:`BLOCKS` under each policy (issue 52)."""
+    return [r for s in BLOCKS for p in POLICIES for r in block_rows(s, p)]
+
+
 def _long_loss(layers: int):
     sizes = {
         "long": (LONG["d"], layers, LONG["seq"], LONG["batch"], LONG["heads"], 256)

@@ -46,7 +46,7 @@ from .._base._cast import cast_cache
 from .._base._dtypes import is_float
 from .._base._jaxpr import bind_eqn, read
 from .._base._structure import describe
-from .._values._operands import EXACT, PRODUCT, product_operands
+from .._values._operands import DERIVATIVE, EXACT, PRODUCT, product_operands
 from ._compressed import (
     RESIDUAL_SCOPE,
     Saved,
@@ -59,7 +59,8 @@ from ._residual_format import Format, compressible_aval, encode
 
 # The rule that decided a saved value's stored form (memory_report shows it).
 STORED_PRODUCT = "reaches a product: int8"
-STORED = "reaches no product: stored"
+STORED_DERIVATIVE = "read by an elementwise derivative: int8"
+STORED = "read by no product or derivative: stored"
 AS_IS = "not compressible: as it is"
 EXACT_INPUT = "reaches exp, a choice or logits: as it is"
 
@@ -75,8 +76,8 @@ class SavedChoice:
             saves (``"dot_general"``).
         shape: the value's shape.
         dtype: the stored dtype's name (the 8-bit one, or the value's own).
-        rule: :data:`STORED_PRODUCT`, :data:`STORED`,
-            :data:`EXACT_INPUT` or :data:`AS_IS`.
+        rule: :data:`STORED_PRODUCT`, :data:`STORED_DERIVATIVE`,
+            :data:`STORED`, :data:`EXACT_INPUT` or :data:`AS_IS`.
         source: the user's source line of the value (the checkpoint's call
             for an input).
     """
@@ -217,14 +218,16 @@ def _choose(x: Any, bits: int, fmt: Format) -> tuple[Any, str]:
     """``(how, rule)`` for a saved value ``x`` with ``bits``
     (``_values/_operands.py``): ``how`` is a :class:`Format` (stored in it:
     ``fmt``, or its :attr:`Format.product_form` for a value a product's input
-    is recomputed from) or ``"raw"``."""
+    is recomputed from or an elementwise derivative reads) or ``"raw"``."""
     if not compressible_aval(x):
         return "raw", AS_IS
     if bits & EXACT:
         return "raw", EXACT_INPUT
-    if not bits & PRODUCT:
-        return fmt, STORED
-    return fmt.product_form, STORED_PRODUCT
+    if bits & PRODUCT:
+        return fmt.product_form, STORED_PRODUCT
+    if bits & DERIVATIVE:
+        return fmt.product_form, STORED_DERIVATIVE
+    return fmt, STORED
 
 
 def _name(eqn: Any) -> str:

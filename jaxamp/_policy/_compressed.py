@@ -26,7 +26,13 @@ from .. import _compat
 from .._base import _state
 from .._base._cast import cast_cache
 from .._base._dtypes import is_float
-from .._base._prims import CHEAP_ELEMENTWISE, CHOOSERS, EXPONENTIALS, MATMULS
+from .._base._prims import (
+    CHEAP_ELEMENTWISE,
+    CHOOSERS,
+    EXPONENTIALS,
+    MATMULS,
+    READS_NO_VALUE,
+)
 from ._residual_format import Format, compressible, decode, encode
 
 
@@ -55,14 +61,14 @@ def bind_compressed(call: Any, invals: Sequence[Any], fmt: Format) -> Any:
         if root is not None:  # stored as its root, remade from it
             new_in, params = call.decide(*invals)
             out = call.bind(params, *new_in)
-            if call.name not in _READS_NO_VALUE:
+            if call.name not in READS_NO_VALUE:
                 # Its own backward pass reads the root's code (store_compressed
                 # remakes the inputs); dead wherever a reader remakes ``out``.
                 stored = store_compressed(call.apply, invals, fmt)
                 out = out if stored is None else stored
             _mark_derived(out, call, invals, new_in, params, root)
             return out
-    if call.name in _READS_NO_VALUE | EXPONENTIALS | CHOOSERS:
+    if call.name in READS_NO_VALUE | EXPONENTIALS | CHOOSERS:
         return None
     return store_compressed(call.apply, invals, fmt)
 
@@ -121,51 +127,6 @@ def _mark_derived(out, call, invals, new_in, params, root) -> None:
         return call.bind(params, *vals)
 
     cache[(id(out), "weight")] = (out, (root, remake))
-
-
-# Primitives whose derivative reads no float input value (linear, structural
-# or comparison-free selection): never wrapped, nothing of theirs is saved.
-_READS_NO_VALUE = frozenset(
-    {
-        "add",
-        "add_any",
-        "sub",
-        "neg",
-        "convert_element_type",
-        "reshape",
-        "broadcast_in_dim",
-        "transpose",
-        "squeeze",
-        "expand_dims",
-        "slice",
-        "dynamic_slice",
-        "dynamic_update_slice",
-        "concatenate",
-        "pad",
-        "reduce_sum",
-        "select_n",
-        "copy",
-        "copy_p",
-        "cumsum",
-        "rev",
-        "reduce_precision",
-        "real",
-        "imag",
-        "stop_gradient",
-        "iota",
-        "eq",
-        "ne",
-        "lt",
-        "le",
-        "gt",
-        "ge",
-        "sign",
-        "floor",
-        "ceil",
-        "round",
-        "is_finite",
-    }
-)
 
 
 def recomputable(jaxpr: Any) -> bool:

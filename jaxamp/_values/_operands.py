@@ -37,6 +37,7 @@ from .._base._prims import (
     DATA_MOVEMENT,
     EXPONENTIALS,
     MATMULS,
+    READS_NO_VALUE,
 )
 from .._base._structure import SubJaxpr, describe
 
@@ -53,13 +54,28 @@ LOOK_THROUGH = (
     )
 )
 
+# Primitives whose derivative reads none of their float operands' values: the
+# linear and structural ones of ``_prims.READS_NO_VALUE``, data movement and
+# the markers (their operands get no :data:`DERIVATIVE` from them).
+READ_BY_NO_DERIVATIVE = (
+    READS_NO_VALUE
+    | DATA_MOVEMENT
+    | frozenset("split gather name optimization_barrier".split())
+)
+
 
 # Bits per value. PRODUCT: it reaches a product's operand; EXPONENT: it reaches
 # the input of an exponential or a choice (``exp``, ``logistic``, a sort, a
 # max); EXACT: it is one, or an operand of a product whose result is one (a
-# softmax's logits q k^T). Each passes :data:`LOOK_THROUGH` primitives; a
-# product gives its operands PRODUCT, and EXACT where its result has EXPONENT.
-PRODUCT, EXPONENT, EXACT = 1, 2, 4
+# softmax's logits q k^T); DERIVATIVE: it reaches an operand of an elementwise
+# primitive whose derivative reads that operand's value (``tanh``, ``mul``, a
+# GELU's chain, a norm's ``rsqrt``; anything not in
+# :data:`READ_BY_NO_DERIVATIVE`),
+# whose error the derivative carries into every gradient below it (``1 -
+# tanh^2`` of a stored value near 1 is mostly error). Each passes
+# :data:`LOOK_THROUGH` primitives; a product gives its operands PRODUCT, and
+# EXACT where its result has EXPONENT.
+PRODUCT, EXPONENT, EXACT, DERIVATIVE = 1, 2, 4, 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +84,7 @@ class Operands:
 
     Attributes:
         inputs: per input, its bits (:data:`PRODUCT`, :data:`EXPONENT`,
-            :data:`EXACT`).
+            :data:`EXACT`, :data:`DERIVATIVE`).
         bits: variable -> its bits, for every variable with some.
     """
 
@@ -136,7 +152,8 @@ def _eqn_inputs(eqn: Any, outs: tuple[int, ...]) -> list[int]:
         return ins
     if named_subs(eqn.params):  # an opaque higher-order primitive
         return [PRODUCT | EXACT] * n
-    return [either if name in LOOK_THROUGH else 0] * n
+    passed = either if name in LOOK_THROUGH else 0
+    return [passed | (0 if name in READ_BY_NO_DERIVATIVE else DERIVATIVE)] * n
 
 
 def _sub_inputs(sub: SubJaxpr, outs: tuple[int, ...]) -> tuple[int, ...]:
