@@ -22,6 +22,12 @@ amp bfloat16's with the same checkpoint, and the whole step's peak and FLOPs
 (XLA:CPU's ``memory_analysis()`` and ``cost_analysis()`` of the jitted
 ``value_and_grad``, compile only: the recomputation the policy leaves).
 
+Part 1c (``--only-blocks`` alone), block shapes (issue 52): 4 residual
+blocks of width 256 on 128 rows (tanh, GELU and SiLU MLPs, an attention
+block, a residual stream named between attention and an MLP), each under
+``jax.checkpoint`` with each policy, E4M3 and int8 against amp bfloat16 with
+the same checkpoint (``block_model``).
+
 Part 2, activation-dominated (seq >= 2048): XLA's ``memory_analysis()`` of
 the jitted ``value_and_grad`` (compile only) at two layer counts; the step's
 peak is ``argument + output - alias + temp`` bytes, the per-layer peak the
@@ -406,6 +412,7 @@ def markdown(
     p2: list[dict],
     meta: str,
     p3: list[dict] = (),
+    p1c: list[dict] = (),
 ) -> str:
     out = [
         "# Compressed residuals",
@@ -450,6 +457,24 @@ def markdown(
             for r in p1b
         ]
         out.append("")
+    if p1c:
+        out += [
+            f"block shapes (issue 52): {BLOCK_DEPTH} residual blocks, width "
+            f"{BLOCK_WIDTH}, {BLOCK_ROWS} rows, each under `jax.checkpoint(block, "
+            "policy=...)`, bfloat16 compute; bytes and error relative to amp bf16 "
+            "with the same checkpoint:",
+            "",
+            "| block | policy | residuals | saved KiB | bytes vs amp bf16 "
+            "| grad rel. L2 err | err vs amp bf16 |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        out += [
+            f"| {r['block']} | `{r['policy']}` | {r['residuals']} "
+            f"| {r['bytes'] / 2**10:.0f} | {r['bytes_vs_amp']:.3f}x "
+            f"| {r['grad_err']:.2e} | {r['err_vs_amp']:.2f}x |"
+            for r in p1c
+        ]
+        out.append("")
     d = LONG
     out += [
         f"## Activation-dominated: width {d['d']}, seq {d['seq']}, batch {d['batch']}, "
@@ -492,6 +517,9 @@ def main(argv: list[str] | None = None) -> int:
         help="with --gpu: each scanned block under jax.checkpoint",
     )
     p.add_argument("--skip-long", action="store_true", help="part 1 only")
+    p.add_argument(
+        "--only-blocks", action="store_true", help="the block shapes of part 1c only"
+    )
     p.add_argument("--only-long", action="store_true", help="part 2 only")
     p.add_argument(
         "--gpu",
@@ -501,20 +529,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     a = p.parse_args(argv)
     t0 = time.time()
-    part1_off = a.only_long or a.gpu
+    part1_off = a.only_long or a.gpu or a.only_blocks
     p1, p1r = ([], []) if part1_off else (part1(False), part1(True))
     p1b = [] if part1_off else part1b()
-    p2 = [] if a.skip_long or a.gpu else part2()
+    p1c = part1c() if a.only_blocks or not (a.only_long or a.gpu) else []
+    p2 = [] if a.skip_long or a.gpu or a.only_blocks else part2()
     p3 = part3(remat=a.remat) if a.gpu else []
     flags = " --skip-long" * a.skip_long + " --only-long" * a.only_long
-    flags += " --gpu" * a.gpu + " --remat" * a.remat
+    flags += " --gpu" * a.gpu + " --remat" * a.remat + " --only-blocks" * a.only_blocks
     meta = (
         "`python benchmarks/residuals.py --out benchmarks/RESULTS_RESIDUALS.md"
         f"{flags}` "
         f"on {platform.processor() or platform.machine()} ({jax.default_backend()}), "
         f"JAX {jax.__version__}, {time.time() - t0:.0f} s."
     )
-    text = markdown(p1, p1r, p1b, p2, meta, p3)
+    text = markdown(p1, p1r, p1b, p2, meta, p3, p1c)
     print(text)
     if a.out:
         Path(a.out).write_text(text)

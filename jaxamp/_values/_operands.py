@@ -54,6 +54,12 @@ LOOK_THROUGH = (
     )
 )
 
+# The exponentials whose output error is relative to their input's absolute
+# error (a softmax's probabilities). The logistic is bounded: an absolute error
+# ``dz`` of its input moves ``sigmoid(z)`` by at most ``dz / 4``, so a SiLU's or
+# a gate's input is only read by its derivative (:data:`DERIVATIVE`).
+UNBOUNDED = EXPONENTIALS - {"logistic"}
+
 # Primitives whose derivative reads none of their float operands' values: the
 # linear and structural ones of ``_prims.READS_NO_VALUE``, data movement and
 # the markers (their operands get no :data:`DERIVATIVE` from them).
@@ -141,7 +147,7 @@ def _eqn_inputs(eqn: Any, outs: tuple[int, ...]) -> list[int]:
         either |= b
     if name in MATMULS:
         return [PRODUCT | (EXACT if either & EXPONENT else 0)] * n
-    if name in EXPONENTIALS or name in CHOOSERS:
+    if name in UNBOUNDED or name in CHOOSERS:
         return [EXPONENT | EXACT] * n
     structure = describe(eqn)
     if structure is not None:
