@@ -4,17 +4,20 @@ A checkpoint saves its inputs and, under a policy
 (``save_only_these_names``, ``dots_saveable``, ...), the values inside its
 body the policy names; the backward pass recomputes the rest from them. With
 a residual format in force, :func:`store_checkpoint` binds the (rewritten)
-body as a ``jax.custom_vjp`` that saves each such value as the same value
-would be saved without the checkpoint (``_compressed.py``): int8 stores every
-one; FP8 (``Format.stores_products`` False) stores in FP8 only the values
+body as a ``jax.custom_vjp`` that saves each such value by what reads it in
+the recomputed block: int8 stores every one; FP8 (``Format.stores_products`` False) stores in FP8 only the values
 that, in the recomputed block, reach no product's operand through elementwise
-chains, normalisations or data movement (``_values/_operands.py``: a weight
+chains, normalisations or data movement, and that no elementwise derivative
+reads (``_values/_operands.py``: a weight
 gradient ``x^T g`` inherits a stored ``x``'s error undamped). The others are
 stored in :attr:`Format.product_form` (int8 in 1 x 32 groups, 0.5% rms error per
 value, for ``residual_dtype`` FP8): outside a checkpoint the product keeps
 its own input in the compute dtype, but here that input is recomputed from
 the saved value, whose compute-dtype copy would be as large as the input and
-whose FP8 copy gives the recomputed input FP8's 2.6% error. Held values (the step's
+whose FP8 copy gives the recomputed input FP8's 2.6% error. So are, for
+the same reason, the values an elementwise derivative reads (``tanh``'s
+``1 - tanh^2``, a SiLU's, a norm's ``rsqrt``: ``_values/_operands.DERIVATIVE``),
+whose error reaches every gradient below the block. Held values (the step's
 arguments) are saved as they are, and what the backward pass does not read is
 not saved at all (dead-code elimination of its traced form).
 
