@@ -5,11 +5,11 @@ A checkpoint saves its inputs and, under a policy
 body the policy names; the backward pass recomputes the rest from them. With
 a residual format in force, :func:`store_checkpoint` binds the (rewritten)
 body as a ``jax.custom_vjp`` that saves each such value by what reads it in
-the recomputed block: int8 stores every one; FP8 (``Format.stores_products`` False) stores in FP8 only the values
-that, in the recomputed block, reach no product's operand through elementwise
-chains, normalisations or data movement, and that no elementwise derivative
-reads (``_values/_operands.py``: a weight
-gradient ``x^T g`` inherits a stored ``x``'s error undamped). The others are
+the recomputed block: int8 stores every one; FP8 (``Format.stores_products``
+False) stores in FP8 only the values that, in the recomputed block, reach no
+product's operand through elementwise chains, normalisations or data
+movement, and that no elementwise derivative reads (``_values/_operands.py``:
+a weight gradient ``x^T g`` inherits a stored ``x``'s error undamped). The others are
 stored in :attr:`Format.product_form` (int8 in 1 x 32 groups, 0.5% rms error per
 value, for ``residual_dtype`` FP8): outside a checkpoint the product keeps
 its own input in the compute dtype, but here that input is recomputed from
