@@ -133,8 +133,10 @@ def test_one_residual_code_only_8_bit_values_and_scales(dtype):
     else:
         # FP8 leaves a product's input in the compute dtype: h @ w2 saves the
         # GELU's input in bfloat16 and recomputes the GELU from it; only the
-        # head's tanh input is 8-bit. No float32 copy anywhere.
-        want = [((32, 64), stored), ((32, 256), np.dtype(BF16))]
+        # head's tanh input is 8-bit, in int8 (the product form): the loss
+        # squares the tanh's output, whose derivative 2 y g is a product of
+        # it. One code for the tanh and the square, no float32 copy anywhere.
+        want = [((32, 64), np.dtype(jnp.int8)), ((32, 256), np.dtype(BF16))]
     assert coded == want, saved
     small = [a for a, _ in saved if np.prod(a.shape) < 32 * 64]
     assert all(np.dtype(a.dtype) == np.float32 for a in small), small
