@@ -22,6 +22,12 @@ amp bfloat16's with the same checkpoint, and the whole step's peak and FLOPs
 (XLA:CPU's ``memory_analysis()`` and ``cost_analysis()`` of the jitted
 ``value_and_grad``, compile only: the recomputation the policy leaves).
 
+Part 1c (``--only-blocks`` alone), block shapes (issue 52): 4 residual
+blocks of width 256 on 128 rows (tanh, GELU and SiLU MLPs, an attention
+block, a residual stream named between attention and an MLP), each under
+``jax.checkpoint`` with each policy, E4M3 and int8 against amp bfloat16 with
+the same checkpoint (``block_model``).
+
 Part 2, activation-dominated (seq >= 2048): XLA's ``memory_analysis()`` of
 the jitted ``value_and_grad`` (compile only) at two layer counts; the step's
 peak is ``argument + output - alias + temp`` bytes, the per-layer peak the
@@ -172,6 +178,127 @@ def part1b() -> list[dict]:
     return rows
 
 
+# Checkpointed block shapes (issue 52): 4 residual blocks, width 256, 128
+# rows, each block under ``jax.checkpoint``; the value each names "act".
+BLOCKS = ("tanh", "gelu", "silu", "attention", "stream")
+BLOCK_DEPTH, BLOCK_WIDTH, BLOCK_ROWS, BLOCK_HEADS = 4, 256, 128, 4
+
+
+def _norm(x):
+    m = x.mean(-1, keepdims=True)
+    return (x - m) * jax.lax.rsqrt(jnp.square(x - m).mean(-1, keepdims=True) + 1e-5)
+
+
+def _attention(h, w):
+    n, d = BLOCK_ROWS, BLOCK_WIDTH // BLOCK_HEADS
+    q, k, v = (
+        (h @ w[name]).reshape(n, BLOCK_HEADS, d).transpose(1, 0, 2)
+        for name in ("q", "k", "v")
+    )
+    logits = jnp.einsum("hqd,hkd->hqk", q, k) / d**0.5
+    mask = jnp.tril(jnp.ones((n, n), bool))
+    p = jax.nn.softmax(jnp.where(mask, logits, -1e9), -1)
+    return jnp.einsum("hqk,hkd->hqd", p, v).transpose(1, 0, 2).reshape(n, -1)
+
+
+def block_fn(shape: str):
+    """One residual block of ``shape`` (:data:`BLOCKS`), ``(h, w) -> h``:
+    ``tanh``: ``h + name(tanh(h @ w))`` (issue 52's model); ``gelu`` /
+    ``silu``: ``h + name(act(norm(h) @ up)) @ down``; ``attention``: ``h +
+    name(causal softmax attention of norm(h)) @ o``; ``stream``: the residual
+    stream named between an attention half and a GELU MLP half."""
+    mlp = {"gelu": jax.nn.gelu, "silu": jax.nn.silu}
+
+    def block(h, w):
+        if shape == "tanh":
+            return h + checkpoint_name(jnp.tanh(h @ w["w"]), "act")
+        if shape in mlp:
+            a = checkpoint_name(mlp[shape](_norm(h) @ w["up"]), "act")
+            return h + a @ w["down"]
+        if shape == "attention":
+            return h + checkpoint_name(_attention(_norm(h), w), "act") @ w["o"]
+        a = checkpoint_name(h + _attention(_norm(h), w) @ w["o"], "act")
+        return a + jax.nn.gelu(_norm(a) @ w["up"]) @ w["down"]
+
+    return block
+
+
+def block_model(shape: str, policy, head: str = "readout"):
+    """``(loss, params, x)``: :data:`BLOCK_DEPTH` blocks of ``shape``, each
+    under ``jax.checkpoint(policy=policy)``; inputs pre-rounded to bfloat16,
+    the residual stream in the hundreds (rms 100), the products' inputs of
+    order one (the tanh's pre-activation ``h @ w``, rms 1). ``head``:
+    ``"readout"``, a linear readout to 8 outputs and a squared loss on them;
+    ``"square"``, ``mean(h ** 2)`` of the last block's output (issue 52's
+    model as filed)."""
+    d, ks = BLOCK_WIDTH, jax.random.split(jax.random.key(52), 8)
+    scale = {"w": 1 / (100 * d**0.5), "up": 1 / d**0.5, "down": 30 / d**0.5}
+    scale.update(q=1 / d**0.5, k=1 / d**0.5, v=1 / d**0.5, o=30 / d**0.5)
+    names = {
+        "tanh": ("w",),
+        "gelu": ("up", "down"),
+        "silu": ("up", "down"),
+        "attention": ("q", "k", "v", "o"),
+        "stream": ("q", "k", "v", "o", "up", "down"),
+    }[shape]
+    params = {
+        "blocks": [
+            {
+                n: scale[n] * jax.random.normal(jax.random.fold_in(ks[i], j), (d, d))
+                for j, n in enumerate(names)
+            }
+            for i in range(BLOCK_DEPTH)
+        ],
+        "out": jax.random.normal(ks[-2], (d, 8)) / d**0.5,
+    }
+    to_bf16 = lambda a: a.astype(jnp.bfloat16).astype(jnp.float32)
+    params = jax.tree.map(to_bf16, params)
+    x = to_bf16(100.0 * jax.random.normal(ks[-1], (BLOCK_ROWS, d)))
+    body = jax.checkpoint(block_fn(shape), policy=policy)
+
+    def loss(params, x):
+        h = x
+        for w in params["blocks"]:
+            h = body(h, w)
+        if head == "square":
+            return jnp.mean(h**2)
+        # The readout's input is a product's: the same bits with E4M3 as with
+        # amp bfloat16 (outside a checkpoint), so the comparison is the blocks'.
+        return jnp.mean(jnp.square(h @ params["out"] / 100.0))
+
+    return loss, params, x
+
+
+def block_rows(shape: str, policy_name: str, head: str = "readout") -> list[dict]:
+    """Bytes and gradient error of :func:`block_model` per residual format,
+    against amp bfloat16's with the same checkpoint."""
+    base, params, x = block_model(shape, POLICIES[policy_name], head)
+    ref = jax.jit(jax.grad(base))(params, x)
+    rows, amp = [], None
+    for name in ("none", "E4M3", "int8"):
+        stored = STORED[name]
+        loss = jaxamp.amp(base, compute_dtype=jnp.bfloat16, residual_dtype=stored)
+        grads = jax.jit(jax.grad(loss))(params, x)
+        row = {
+            "block": shape if head == "readout" else f"{shape}, loss mean(h**2)",
+            "policy": policy_name,
+            "residuals": name,
+            "bytes": jaxamp.saved_residual_bytes(loss, params, x),
+            "grad_err": run._rel_l2(grads, ref),
+        }
+        amp = row if amp is None else amp
+        row["bytes_vs_amp"] = row["bytes"] / amp["bytes"]
+        row["err_vs_amp"] = row["grad_err"] / amp["grad_err"]
+        rows.append(row)
+    return rows
+
+
+def part1c() -> list[dict]:
+    """Each block shape of :data:`BLOCKS` under each policy (issue 52)."""
+    rows = [r for s in BLOCKS for p in POLICIES for r in block_rows(s, p)]
+    return rows + [r for p in POLICIES for r in block_rows("tanh", p, "square")]
+
+
 def _long_loss(layers: int):
     sizes = {
         "long": (LONG["d"], layers, LONG["seq"], LONG["batch"], LONG["heads"], 256)
@@ -290,6 +417,7 @@ def markdown(
     p2: list[dict],
     meta: str,
     p3: list[dict] = (),
+    p1c: list[dict] = (),
 ) -> str:
     out = [
         "# Compressed residuals",
@@ -303,6 +431,8 @@ def markdown(
         ("layers in `lax.scan`", p1),
         ("each block under `jax.checkpoint`", p1_remat),
     ):
+        if not rows:
+            continue
         out += [
             f"{title}; bytes relative to float32 with the same structure:",
             "",
@@ -334,15 +464,34 @@ def markdown(
             for r in p1b
         ]
         out.append("")
+    if p1c:
+        out += [
+            f"block shapes (issue 52): {BLOCK_DEPTH} residual blocks, width "
+            f"{BLOCK_WIDTH}, {BLOCK_ROWS} rows, each under `jax.checkpoint(block, "
+            "policy=...)`, bfloat16 compute; bytes and error relative to amp bf16 "
+            "with the same checkpoint:",
+            "",
+            "| block | policy | residuals | saved KiB | bytes vs amp bf16 "
+            "| grad rel. L2 err | err vs amp bf16 |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        out += [
+            f"| {r['block']} | `{r['policy']}` | {r['residuals']} "
+            f"| {r['bytes'] / 2**10:.0f} | {r['bytes_vs_amp']:.3f}x "
+            f"| {r['grad_err']:.2e} | {r['err_vs_amp']:.2f}x |"
+            for r in p1c
+        ]
+        out.append("")
     d = LONG
-    out += [
-        f"## Activation-dominated: width {d['d']}, seq {d['seq']}, batch {d['batch']}, "
-        f"{d['heads']} heads (compile only)",
-        "",
-        "| variant | per-layer peak MiB | vs amp bf16 "
-        "| saved residuals per layer MiB |",
-        "|---|---|---|---|",
-    ]
+    if p2:
+        out += [
+            f"## Activation-dominated: width {d['d']}, seq {d['seq']}, "
+            f"batch {d['batch']}, {d['heads']} heads (compile only)",
+            "",
+            "| variant | per-layer peak MiB | vs amp bf16 "
+            "| saved residuals per layer MiB |",
+            "|---|---|---|---|",
+        ]
     out += [
         f"| {r['variant']} | {r['per_layer'] / 2**20:.1f} | {r['vs_amp']:.2f}x "
         f"| {r['residual_per_layer'] / 2**20:.1f} |"
@@ -376,6 +525,9 @@ def main(argv: list[str] | None = None) -> int:
         help="with --gpu: each scanned block under jax.checkpoint",
     )
     p.add_argument("--skip-long", action="store_true", help="part 1 only")
+    p.add_argument(
+        "--only-blocks", action="store_true", help="the block shapes of part 1c only"
+    )
     p.add_argument("--only-long", action="store_true", help="part 2 only")
     p.add_argument(
         "--gpu",
@@ -385,20 +537,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     a = p.parse_args(argv)
     t0 = time.time()
-    part1_off = a.only_long or a.gpu
+    part1_off = a.only_long or a.gpu or a.only_blocks
     p1, p1r = ([], []) if part1_off else (part1(False), part1(True))
     p1b = [] if part1_off else part1b()
-    p2 = [] if a.skip_long or a.gpu else part2()
+    p1c = part1c() if a.only_blocks or not (a.only_long or a.gpu) else []
+    p2 = [] if a.skip_long or a.gpu or a.only_blocks else part2()
     p3 = part3(remat=a.remat) if a.gpu else []
     flags = " --skip-long" * a.skip_long + " --only-long" * a.only_long
-    flags += " --gpu" * a.gpu + " --remat" * a.remat
+    flags += " --gpu" * a.gpu + " --remat" * a.remat + " --only-blocks" * a.only_blocks
     meta = (
         "`python benchmarks/residuals.py --out benchmarks/RESULTS_RESIDUALS.md"
         f"{flags}` "
         f"on {platform.processor() or platform.machine()} ({jax.default_backend()}), "
         f"JAX {jax.__version__}, {time.time() - t0:.0f} s."
     )
-    text = markdown(p1, p1r, p1b, p2, meta, p3)
+    text = markdown(p1, p1r, p1b, p2, meta, p3, p1c)
     print(text)
     if a.out:
         Path(a.out).write_text(text)

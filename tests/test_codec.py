@@ -46,6 +46,15 @@ def mlp(p, x):
     return jnp.mean(jnp.square(h @ p["w2"]))
 
 
+def mlp_tanh(p, x):
+    """``mlp`` with a tanh head: the tanh's input is stored in the format (a
+    squared loss's input is stored in int8, the product form of an 8-bit float
+    format: its derivative ``2 y g`` is a product of it)."""
+    with jax.named_scope("mlp"):
+        h = jax.nn.gelu(x @ p["w1"])
+    return jnp.mean(jnp.tanh(h @ p["w2"]))
+
+
 def mlp_params():
     return {
         "w1": jax.random.normal(K[0], (64, 128)) / 8.0,
@@ -86,15 +95,15 @@ def test_a_registered_format_is_an_amp_matmul_policy(e3m4):
 
 def test_a_registered_format_stores_residuals(e3m4):
     p, x = mlp_params()
-    amp = jaxamp.amp(mlp, compute_dtype=BF16, residual_dtype="e3m4")
+    amp = jaxamp.amp(mlp_tanh, compute_dtype=BF16, residual_dtype="e3m4")
     _, vjp = jax.vjp(amp, p, x)
     saved = {np.dtype(r.dtype) for r in jax.tree.leaves(vjp)}
-    # gelu's input in E3M4; the products' inputs stay in bfloat16 (a format
-    # registered with stores_products=False, as FP8 is).
+    # The tanh's input in E3M4; the products' inputs stay in bfloat16 (a
+    # format registered with stores_products=False, as FP8 is).
     assert saved == {E3M4, BF16, F32}
-    by_dtype = jaxamp.amp(mlp, compute_dtype=BF16, residual_dtype=jnp.float8_e3m4)
-    g8, g32 = jax.jit(jax.grad(by_dtype))(p, x), jax.grad(mlp)(p, x)
-    for name in p:  # measured 0.7% and 0.5% (the bfloat16 residuals' 0.5%, 0.3%)
+    by_dtype = jaxamp.amp(mlp_tanh, compute_dtype=BF16, residual_dtype=jnp.float8_e3m4)
+    g8, g32 = jax.jit(jax.grad(by_dtype))(p, x), jax.grad(mlp_tanh)(p, x)
+    for name in p:  # measured 0.62% and 0.22% (the bfloat16 residuals: 0.44%, 0.19%)
         assert rel(g8[name], g32[name]) < 0.015, name
     assert (
         repr(jaxamp.residual_rule("e3m4")) == "residual_rule('e3m4', group_size=None)"
@@ -113,7 +122,7 @@ def test_a_registered_format_is_named_in_the_three_reports(e3m4):
     assert [(r.format, r.scope) for r in eight] == [("e3m4", "mlp")] * 3
     assert all("bfloat16" in r.format for r in records if r.reason)
     memory = jaxamp.memory_report(
-        mlp, p, x, compute_dtype=BF16, residual_dtype="e3m4", compile=False
+        mlp_tanh, p, x, compute_dtype=BF16, residual_dtype="e3m4", compile=False
     )
     assert "e3m4" in memory.by("dtype")
     assert any(r.dtype == "e3m4" and r.primitive == "encode" for r in memory.rows)

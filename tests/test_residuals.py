@@ -17,7 +17,12 @@ from jax.ad_checkpoint import checkpoint_name
 
 import jaxamp
 from jaxamp import _compat
-from jaxamp._policy._checkpoint import EXACT_INPUT, STORED_PRODUCT
+from jaxamp._policy._checkpoint import (
+    AS_IS,
+    EXACT_INPUT,
+    STORED_DERIVATIVE,
+    STORED_PRODUCT,
+)
 from jaxamp._policy._residual_format import Format, compressible, decode, encode
 from tests.helpers import TINY_CHARLM, rel_l2, round_bf16
 
@@ -128,8 +133,10 @@ def test_one_residual_code_only_8_bit_values_and_scales(dtype):
     else:
         # FP8 leaves a product's input in the compute dtype: h @ w2 saves the
         # GELU's input in bfloat16 and recomputes the GELU from it; only the
-        # head's tanh input is 8-bit. No float32 copy anywhere.
-        want = [((32, 64), stored), ((32, 256), np.dtype(BF16))]
+        # head's tanh input is 8-bit, in int8 (the product form): the loss
+        # squares the tanh's output, whose derivative 2 y g is a product of
+        # it. One code for the tanh and the square, no float32 copy anywhere.
+        want = [((32, 64), np.dtype(jnp.int8)), ((32, 256), np.dtype(BF16))]
     assert coded == want, saved
     small = [a for a, _ in saved if np.prod(a.shape) < 32 * 64]
     assert all(np.dtype(a.dtype) == np.float32 for a in small), small
@@ -368,26 +375,28 @@ def _tanh_and_softmax(checkpoint):
     return loss
 
 
-def test_checkpoint_values_reaching_no_product_are_stored():
-    # The boundary input of tanh(h / 300) * 3 reaches no product in the block:
-    # FP8 stores it, as the input of tanh is stored without the checkpoint;
-    # the input of a softmax reaches an exponential: as it is in any format.
+def test_checkpoint_values_read_by_a_derivative_are_int8():
+    # The boundary input of tanh(h / 300) * 3 reaches no product in the block,
+    # but the tanh's derivative reads it (1 - tanh^2 of a rounded value):
+    # int8 in both formats (FP8's product form), where FP8 would give 5x amp
+    # bfloat16's error; the input of a softmax reaches an exponential: as it
+    # is in any format.
     w = round_bf16(jax.random.normal(K[1], (WIDTH, WIDTH)) / 8)
     x = round_bf16(300.0 * jax.random.normal(K[2], (32, WIDTH)))
     loss = _tanh_and_softmax(True)
     ref = jax.grad(loss)(w, x)
+    err_amp = rel_l2(jax.jit(jax.grad(jaxamp.amp(loss, compute_dtype=BF16)))(w, x), ref)
     for dtype in (E4M3, "int8"):
         r = jaxamp.memory_report(
             loss, w, x, compute_dtype=BF16, residual_dtype=dtype, compile=False
         )
         rules = sorted((c.dtype, c.rule) for c in r.checkpoints)
-        stored = np.dtype(jnp.int8 if dtype == "int8" else dtype).name
-        assert rules == [
-            ("float32", "reaches exp, a choice or logits: as it is"),
-            (stored, "reaches no product: stored"),
-        ], r.checkpoints
-        # The same error as without the checkpoints (1.00x measured; 5x amp
-        # bfloat16's with E4M3, 2x with int8: the tanh's stored input).
+        assert rules == [("float32", EXACT_INPUT), ("int8", STORED_DERIVATIVE)], (
+            r.checkpoints
+        )
+        # No worse than without the checkpoints (where E4M3 stores the tanh's
+        # input in E4M3: 5x amp bfloat16's error), and within the issue's
+        # bound (1.3x measured for both formats).
         err = {}
         for checkpoint in (True, False):
             f = jaxamp.amp(
@@ -395,6 +404,94 @@ def test_checkpoint_values_reaching_no_product_are_stored():
             )
             err[checkpoint] = rel_l2(jax.jit(jax.grad(f))(w, x), ref)
         assert err[True] <= 1.05 * err[False]
+        assert err[True] <= 2.0 * err_amp
+
+
+# Issue 52: the bound on every block shape (benchmarks/residuals.py, part 1c):
+# 4 residual blocks of width 256 on 128 rows, each under jax.checkpoint,
+# inputs pre-rounded to bfloat16, the residual stream at rms 100.
+BLOCK_POLICIES = {"names": NAMES, "dots": DOTS}
+# Where amp bfloat16 saves every value in bfloat16, an 8-bit code of the same
+# values costs 1 + 4 / G bytes (a float32 scale per 1 x G group) against 2:
+# 0.5625x for int8 in 1 x 32 groups, above the issue's 0.5x whatever the rule
+# (the issue's model met it through the float32 values its loss head saves).
+INT8_FLOOR = (1 + 4 / 32) / 2
+
+
+@pytest.mark.parametrize("policy", list(BLOCK_POLICIES))
+@pytest.mark.parametrize("shape", bench_residuals.BLOCKS)
+def test_checkpointed_block_shapes_hold_the_bound(shape, policy):
+    loss, params, x = bench_residuals.block_model(shape, BLOCK_POLICIES[policy])
+    ref = jax.jit(jax.grad(loss))(params, x)
+    got = {}
+    for dtype in (None, E4M3, "int8"):
+        f = jaxamp.amp(loss, compute_dtype=BF16, residual_dtype=dtype)
+        err = rel_l2(jax.jit(jax.grad(f))(params, x), ref)
+        got[dtype] = (err, jaxamp.saved_residual_bytes(f, params, x))
+    err, size = got[None]
+    # The issue's bounds against amp bfloat16 with the same checkpoint
+    # (measured: E4M3 1.04x to 1.29x at 0.62x to 0.81x; int8 1.23x to 1.38x
+    # at 0.566x to 0.78x, RESULTS_RESIDUALS.md).
+    assert got[E4M3][0] <= 2.5 * err and got[E4M3][1] <= 0.85 * size
+    assert got["int8"][0] <= 2.0 * err
+    # int8 at its floor, except where the dots policy saves attention's q and
+    # k projections, kept as they are (they make the logits): 0.71x, 0.78x.
+    logits = policy == "dots" and shape in ("attention", "stream")
+    assert got["int8"][1] <= (0.80 if logits else INT8_FLOOR + 0.01) * size
+    assert got["int8"][1] <= got[E4M3][1]
+    # What the checkpoints save is int8, or as it is where it makes a
+    # softmax's logits (attention's q and k with the dots policy): with E4M3
+    # nothing a derivative or a product reads is stored in FP8.
+    r = jaxamp.memory_report(
+        loss, params, x, compute_dtype=BF16, residual_dtype=E4M3, compile=False
+    )
+    rules = {(c.value, c.dtype, c.rule) for c in r.checkpoints}
+    assert {d for _, d, _ in rules} <= {"int8", "bfloat16", "float32"}, rules
+    for value, dtype, rule in rules:
+        assert (dtype == "int8") == (rule in (STORED_PRODUCT, STORED_DERIVATIVE))
+        assert dtype == "int8" or rule in (EXACT_INPUT, AS_IS), (value, rule)
+
+
+def test_tanh_output_read_by_its_derivative_is_int8():
+    # Issue 52's model with the dots policy: the product h @ w is saved and
+    # only the tanh reads it, whose derivative 1 - tanh^2 carries a stored
+    # value's error into every gradient below (3.0x amp bfloat16's error with
+    # it in E4M3, 1.3x in int8). memory_report names the rule.
+    loss, params, x = bench_residuals.block_model("tanh", DOTS)
+    r = jaxamp.memory_report(
+        loss, params, x, compute_dtype=BF16, residual_dtype=E4M3, compile=False
+    )
+    got = {(c.value, c.dtype, c.rule) for c in r.checkpoints}
+    assert got == {
+        ("dot_general", "int8", STORED_DERIVATIVE),
+        ("input h", "int8", STORED_PRODUCT),
+    }
+    assert "read by an elementwise derivative: int8" in str(r)
+
+
+@pytest.mark.parametrize("policy", list(BLOCK_POLICIES))
+def test_squared_loss_input_is_int8_with_fp8(policy):
+    # Issue 52's model as filed: the tanh blocks under a checkpoint and the
+    # loss mean(h ** 2), whose derivative 2 h g is a product of the stored
+    # h: in E4M3 it carried FP8's error into every gradient (4.6x and 5.2x
+    # amp bfloat16's error, names and dots policies, measured before); FP8
+    # stores a square's input in its product form, int8 (1.67x, 1.72x, as
+    # int8 does). amp bfloat16 saves that h in float32, so int8 meets 0.5x.
+    loss, params, x = bench_residuals.block_model(
+        "tanh", BLOCK_POLICIES[policy], head="square"
+    )
+    ref = jax.jit(jax.grad(loss))(params, x)
+    got = {}
+    for dtype in (None, E4M3, "int8"):
+        f = jaxamp.amp(loss, compute_dtype=BF16, residual_dtype=dtype)
+        err = rel_l2(jax.jit(jax.grad(f))(params, x), ref)
+        got[dtype] = (err, jaxamp.saved_residual_bytes(f, params, x))
+    err, size = got[None]
+    assert got[E4M3][0] <= 2.5 * err and got[E4M3][1] <= 0.85 * size
+    assert got["int8"][0] <= 2.0 * err and got["int8"][1] <= 0.5 * size
+    f = jaxamp.amp(loss, compute_dtype=BF16, residual_dtype=E4M3)
+    saved = {np.dtype(a.dtype).name for a, _ in _saved(f, params, x)}
+    assert "float8_e4m3fn" not in saved and "int8" in saved
 
 
 def test_offloading_policy_is_left_to_jax():

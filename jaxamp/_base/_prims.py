@@ -35,3 +35,47 @@ EXPONENTIALS = frozenset({"exp", "exp2", "expm1", "logistic"})
 CHOOSERS = frozenset(
     """argmax argmin cummax cummin reduce_max reduce_min sort top_k""".split()
 )
+
+# Primitives whose derivative reads no float input value (linear, structural
+# or comparison-free selection): never wrapped, nothing of theirs is saved.
+READS_NO_VALUE = frozenset(
+    {
+        "add",
+        "add_any",
+        "sub",
+        "neg",
+        "convert_element_type",
+        "reshape",
+        "broadcast_in_dim",
+        "transpose",
+        "squeeze",
+        "expand_dims",
+        "slice",
+        "dynamic_slice",
+        "dynamic_update_slice",
+        "concatenate",
+        "pad",
+        "reduce_sum",
+        "select_n",
+        "copy",
+        "copy_p",
+        "cumsum",
+        "rev",
+        "reduce_precision",
+        "real",
+        "imag",
+        "stop_gradient",
+        "iota",
+        "eq",
+        "ne",
+        "lt",
+        "le",
+        "gt",
+        "ge",
+        "sign",
+        "floor",
+        "ceil",
+        "round",
+        "is_finite",
+    }
+)

@@ -4,17 +4,20 @@ A checkpoint saves its inputs and, under a policy
 (``save_only_these_names``, ``dots_saveable``, ...), the values inside its
 body the policy names; the backward pass recomputes the rest from them. With
 a residual format in force, :func:`store_checkpoint` binds the (rewritten)
-body as a ``jax.custom_vjp`` that saves each such value as the same value
-would be saved without the checkpoint (``_compressed.py``): int8 stores every
-one; FP8 (``Format.stores_products`` False) stores in FP8 only the values
-that, in the recomputed block, reach no product's operand through elementwise
-chains, normalisations or data movement (``_values/_operands.py``: a weight
-gradient ``x^T g`` inherits a stored ``x``'s error undamped). The others are
+body as a ``jax.custom_vjp`` that saves each such value by what reads it in
+the recomputed block: int8 stores every one; FP8 (``Format.stores_products``
+False) stores in FP8 only the values that, in the recomputed block, reach no
+product's operand through elementwise chains, normalisations or data
+movement, and that no elementwise derivative reads (``_values/_operands.py``:
+a weight gradient ``x^T g`` inherits a stored ``x``'s error undamped). The others are
 stored in :attr:`Format.product_form` (int8 in 1 x 32 groups, 0.5% rms error per
 value, for ``residual_dtype`` FP8): outside a checkpoint the product keeps
 its own input in the compute dtype, but here that input is recomputed from
 the saved value, whose compute-dtype copy would be as large as the input and
-whose FP8 copy gives the recomputed input FP8's 2.6% error. Held values (the step's
+whose FP8 copy gives the recomputed input FP8's 2.6% error. So are, for
+the same reason, the values an elementwise derivative reads (``tanh``'s
+``1 - tanh^2``, a SiLU's, a norm's ``rsqrt``: ``_values/_operands.DERIVATIVE``),
+whose error reaches every gradient below the block. Held values (the step's
 arguments) are saved as they are, and what the backward pass does not read is
 not saved at all (dead-code elimination of its traced form).
 
@@ -46,7 +49,7 @@ from .._base._cast import cast_cache
 from .._base._dtypes import is_float
 from .._base._jaxpr import bind_eqn, read
 from .._base._structure import describe
-from .._values._operands import EXACT, PRODUCT, product_operands
+from .._values._operands import DERIVATIVE, EXACT, PRODUCT, product_operands
 from ._compressed import (
     RESIDUAL_SCOPE,
     Saved,
@@ -59,7 +62,8 @@ from ._residual_format import Format, compressible_aval, encode
 
 # The rule that decided a saved value's stored form (memory_report shows it).
 STORED_PRODUCT = "reaches a product: int8"
-STORED = "reaches no product: stored"
+STORED_DERIVATIVE = "read by an elementwise derivative: int8"
+STORED = "read by no product or derivative: stored"
 AS_IS = "not compressible: as it is"
 EXACT_INPUT = "reaches exp, a choice or logits: as it is"
 
@@ -75,8 +79,8 @@ class SavedChoice:
             saves (``"dot_general"``).
         shape: the value's shape.
         dtype: the stored dtype's name (the 8-bit one, or the value's own).
-        rule: :data:`STORED_PRODUCT`, :data:`STORED`,
-            :data:`EXACT_INPUT` or :data:`AS_IS`.
+        rule: :data:`STORED_PRODUCT`, :data:`STORED_DERIVATIVE`,
+            :data:`STORED`, :data:`EXACT_INPUT` or :data:`AS_IS`.
         source: the user's source line of the value (the checkpoint's call
             for an input).
     """
@@ -217,14 +221,16 @@ def _choose(x: Any, bits: int, fmt: Format) -> tuple[Any, str]:
     """``(how, rule)`` for a saved value ``x`` with ``bits``
     (``_values/_operands.py``): ``how`` is a :class:`Format` (stored in it:
     ``fmt``, or its :attr:`Format.product_form` for a value a product's input
-    is recomputed from) or ``"raw"``."""
+    is recomputed from or an elementwise derivative reads) or ``"raw"``."""
     if not compressible_aval(x):
         return "raw", AS_IS
     if bits & EXACT:
         return "raw", EXACT_INPUT
-    if not bits & PRODUCT:
-        return fmt, STORED
-    return fmt.product_form, STORED_PRODUCT
+    if bits & PRODUCT:
+        return fmt.product_form, STORED_PRODUCT
+    if bits & DERIVATIVE:
+        return fmt.product_form, STORED_DERIVATIVE
+    return fmt, STORED
 
 
 def _name(eqn: Any) -> str:

@@ -21,6 +21,11 @@ outside checkpoints (``_policy/_compressed.py``). Those never store an
 exponential's or a choice's input in 8 bits, nor attention's q and k (exp
 turns an absolute error of a logit into a relative error of a probability):
 the values that reach them are marked too (:data:`EXACT`), for every format.
+The logistic is bounded, so a SiLU's or a gate's input is not among them. The
+values an elementwise derivative reads (``tanh``'s ``1 - tanh^2``, a product
+``x * y``, a norm's ``rsqrt``) are marked :data:`DERIVATIVE`: stored in 8 bits
+they carry their error into every gradient below (issue 52), so a checkpoint
+stores them as it stores a product's input.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from .._base._prims import (
     DATA_MOVEMENT,
     EXPONENTIALS,
     MATMULS,
+    READS_NO_VALUE,
 )
 from .._base._structure import SubJaxpr, describe
 
@@ -53,13 +59,34 @@ LOOK_THROUGH = (
     )
 )
 
+# The exponentials whose output error is relative to their input's absolute
+# error (a softmax's probabilities). The logistic is bounded: an absolute error
+# ``dz`` of its input moves ``sigmoid(z)`` by at most ``dz / 4``, so a SiLU's or
+# a gate's input is only read by its derivative (:data:`DERIVATIVE`).
+UNBOUNDED = EXPONENTIALS - {"logistic"}
+
+# Primitives whose derivative reads none of their float operands' values: the
+# linear and structural ones of ``_prims.READS_NO_VALUE``, data movement and
+# the markers (their operands get no :data:`DERIVATIVE` from them).
+READ_BY_NO_DERIVATIVE = (
+    READS_NO_VALUE
+    | DATA_MOVEMENT
+    | frozenset("split gather name optimization_barrier".split())
+)
+
 
 # Bits per value. PRODUCT: it reaches a product's operand; EXPONENT: it reaches
 # the input of an exponential or a choice (``exp``, ``logistic``, a sort, a
 # max); EXACT: it is one, or an operand of a product whose result is one (a
-# softmax's logits q k^T). Each passes :data:`LOOK_THROUGH` primitives; a
-# product gives its operands PRODUCT, and EXACT where its result has EXPONENT.
-PRODUCT, EXPONENT, EXACT = 1, 2, 4
+# softmax's logits q k^T); DERIVATIVE: it reaches an operand of an elementwise
+# primitive whose derivative reads that operand's value (``tanh``, ``mul``, a
+# GELU's chain, a norm's ``rsqrt``; anything not in
+# :data:`READ_BY_NO_DERIVATIVE`),
+# whose error the derivative carries into every gradient below it (``1 -
+# tanh^2`` of a stored value near 1 is mostly error). Each passes
+# :data:`LOOK_THROUGH` primitives; a product gives its operands PRODUCT, and
+# EXACT where its result has EXPONENT.
+PRODUCT, EXPONENT, EXACT, DERIVATIVE = 1, 2, 4, 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +95,7 @@ class Operands:
 
     Attributes:
         inputs: per input, its bits (:data:`PRODUCT`, :data:`EXPONENT`,
-            :data:`EXACT`).
+            :data:`EXACT`, :data:`DERIVATIVE`).
         bits: variable -> its bits, for every variable with some.
     """
 
@@ -125,7 +152,7 @@ def _eqn_inputs(eqn: Any, outs: tuple[int, ...]) -> list[int]:
         either |= b
     if name in MATMULS:
         return [PRODUCT | (EXACT if either & EXPONENT else 0)] * n
-    if name in EXPONENTIALS or name in CHOOSERS:
+    if name in UNBOUNDED or name in CHOOSERS:
         return [EXPONENT | EXACT] * n
     structure = describe(eqn)
     if structure is not None:
@@ -136,7 +163,8 @@ def _eqn_inputs(eqn: Any, outs: tuple[int, ...]) -> list[int]:
         return ins
     if named_subs(eqn.params):  # an opaque higher-order primitive
         return [PRODUCT | EXACT] * n
-    return [either if name in LOOK_THROUGH else 0] * n
+    passed = either if name in LOOK_THROUGH else 0
+    return [passed | (0 if name in READ_BY_NO_DERIVATIVE else DERIVATIVE)] * n
 
 
 def _sub_inputs(sub: SubJaxpr, outs: tuple[int, ...]) -> tuple[int, ...]:
