@@ -1,6 +1,7 @@
 """Gradient error of the main job's 8-bit modes against float32, batch by batch.
 
     python benchmarks/eight_bit_error.py --batches 1 3 4 5 --modes bf16 fp8 int8
+    python benchmarks/eight_bit_error.py --modes int8 "int8 wgrad" "int8 wgrad nearest"
 
 The main job's GPT (``examples/train_charlm.py``) at d_model 256, 4 layers, seq
 128, batch 8, float32 parameters from its seed; one batch of random tokens per
@@ -8,7 +9,9 @@ The main job's GPT (``examples/train_charlm.py``) at d_model 256, 4 layers, seq
 For each mode of ``train_charlm.MODES`` it prints the relative L2 error of the
 whole gradient of ``jaxamp.amp`` (with the mode's compute dtype and policy)
 against ``jax.grad`` in float32: the figure issue 47 compares before and after a
-change to the 8-bit matmuls (``benchmarks/RESULTS_QUANT.md``).
+change to the 8-bit matmuls (``benchmarks/RESULTS_QUANT.md``). :data:`RECIPES`
+adds the int8 recipes ``gpu_suite.eight_bit_variants`` prices beside the
+default one (every matmul quantized, as the main job's ``--mode int8``).
 """
 
 from __future__ import annotations
@@ -26,6 +29,21 @@ sys.path.insert(0, str(ROOT / "examples"))
 import train_charlm as tc  # noqa: E402
 
 import jaxamp  # noqa: E402
+
+# int8 recipes beside the main job's modes: the weight gradient in int8 too
+# (SwitchBack keeps it in 16 bits), with and without stochastic rounding.
+RECIPES = {
+    "int8 wgrad": lambda: jaxamp.int8_policy(size_rule=None, wgrad=True),
+    "int8 wgrad nearest": lambda: jaxamp.int8_policy(
+        size_rule=None, wgrad=True, stochastic_rounding=False
+    ),
+}
+
+
+def _mode(name: str) -> dict:
+    if name in RECIPES:
+        return {"compute": jnp.bfloat16, "policy": RECIPES[name]}
+    return tc.MODES[name]
 
 
 def grad_errors(seed: int, modes: list[str]) -> dict[str, float]:
@@ -46,7 +64,7 @@ def grad_errors(seed: int, modes: list[str]) -> dict[str, float]:
     ref = flat(jax.grad(loss)(params, x, y))
     out = {}
     for mode in modes:
-        m = tc.MODES[mode]
+        m = _mode(mode)
         kw = {"amp_policy": m["policy"]()} if "policy" in m else {}
         f = jaxamp.amp(loss, compute_dtype=m["compute"], **kw)
         g = flat(jax.jit(jax.grad(f))(params, x, y))
@@ -59,9 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 3, 4, 5])
     p.add_argument("--modes", nargs="+", default=["bf16", "fp8", "int8"])
     args = p.parse_args(argv)
-    bad = [m for m in args.modes if m not in tc.MODES]
+    known = sorted([*tc.MODES, *RECIPES])
+    bad = [m for m in args.modes if m not in known]
     if bad:
-        p.error(f"--modes: unknown {bad}; choose from {sorted(tc.MODES)}")
+        p.error(f"--modes: unknown {bad}; choose from {known}")
     print("| batch | " + " | ".join(args.modes) + " |")
     print("|---" * (len(args.modes) + 1) + "|")
     for seed in args.batches:

@@ -195,21 +195,33 @@ class Part:
 # --- 1. 8-bit against bf16 ----------------------------------------------------
 
 
-def eight_bit_variants(size: str, dry_run: bool) -> dict[str, Callable]:
+def eight_bit_variants(
+    size: str, dry_run: bool, recipes: bool = True
+) -> dict[str, Callable]:
     """fp32, bf16, int8 and FP8 losses of ``gpu_attention``'s model ``size``.
 
     The 8-bit policies keep their default size rules (torchao's H100
     crossovers) except in a dry run, whose tiny matmuls they would all skip.
+    With ``recipes``, ``jaxamp int8 wgrad`` (and ``... nearest``) run the
+    weight gradient in int8 too (and round gradients to nearest): the bound of
+    int8's speed on a GPU once the recipe gives up SwitchBack's 16-bit weight
+    gradient (and unbiased rounding), timed beside the default recipe.
     """
     base = ga.make_loss(size, None, hand=False)
     kw = {"size_rule": None} if dry_run else {}
     amp = lambda policy: jaxamp.amp(base, compute_dtype=BF16, amp_policy=policy)
-    return {
+    found = {
         "fp32": base,
         "jaxamp bf16": jaxamp.amp(base, compute_dtype=BF16),
         "jaxamp int8": amp(jaxamp.int8_policy(**kw)),
         "jaxamp fp8": amp(jaxamp.fp8_policy(**kw)),
     }
+    if recipes:
+        found["jaxamp int8 wgrad"] = amp(jaxamp.int8_policy(wgrad=True, **kw))
+        found["jaxamp int8 wgrad nearest"] = amp(
+            jaxamp.int8_policy(wgrad=True, stochastic_rounding=False, **kw)
+        )
+    return found
 
 
 EIGHT_BIT_COLUMNS = [
@@ -231,15 +243,15 @@ def part_eight_bit(dry_run: bool, budget: Budget) -> dict:
 
 def part_eight_bit_16k(dry_run: bool, budget: Budget) -> dict:
     """Part 1b: the same at 16k tokens a step (``gpt4096_16k``, batch 32)."""
-    return eight_bit_rows("tiny" if dry_run else "gpt4096_16k", dry_run)
+    return eight_bit_rows("tiny" if dry_run else "gpt4096_16k", dry_run, recipes=False)
 
 
-def eight_bit_rows(size: str, dry_run: bool) -> dict:
+def eight_bit_rows(size: str, dry_run: bool, recipes: bool = True) -> dict:
     """:func:`eight_bit_variants` of ``size`` through ``gpu_attention.measure``
     (interleaved timing, errors against float32) plus each variant's 8-bit FLOP
     share of its gradient jaxpr and its speed against bf16."""
     steps, rounds = (1, 1) if dry_run else (10, 5)
-    found = eight_bit_variants(size, dry_run)
+    found = eight_bit_variants(size, dry_run, recipes)
     rows = ga.measure(size, steps, rounds, found=found)
     shapes = jax.eval_shape(lambda: ga.init(size))
     bf16 = next(r for r in rows if r["variant"] == "jaxamp bf16")

@@ -266,9 +266,9 @@ def test_gpu_suite_dry_run(tmp_path):
     assert sixteen == ["fp32", "jaxamp bf16", "jaxamp int8", "jaxamp fp8"]
 
     eight = {r["variant"]: r for r in parts["eight_bit"]["rows"]}
-    assert list(eight) == ["fp32", "jaxamp bf16", "jaxamp int8", "jaxamp fp8"]
+    assert list(eight) == [*sixteen, "jaxamp int8 wgrad", "jaxamp int8 wgrad nearest"]
     assert eight["jaxamp bf16"]["eight_bit_flop_share"] == 0
-    for name in ("jaxamp int8", "jaxamp fp8"):
+    for name in list(eight)[2:]:
         assert 0.5 < eight[name]["eight_bit_flop_share"] <= 1, eight[name]
         assert eight[name]["step_ms"] > 0 and eight[name]["speedup_vs_bf16"] > 0
         # 8-bit noise on top of bf16's, far from a broken gradient
