@@ -33,6 +33,7 @@ from .._base._prims import (
     MATMULS,
     READS_NO_VALUE,
 )
+from .._base._scopes import marker
 from ._residual_format import Format, compressible, decode, encode
 
 
@@ -181,7 +182,7 @@ def _exp_storing_output(call: Any, invals: Sequence[Any], fmt: Format) -> Any:
     return stored(x, *codes)
 
 
-RESIDUAL_SCOPE = "jaxamp_residual_code"
+RESIDUAL_SCOPE = marker("jaxamp_residual_code")
 # Equations that re-lay out or re-type their input: applied to held values
 # (a weight's transpose or cast), their output is a weight too, never stored
 # compressed (an 8-bit weight would coarsen the cotangents it carries back).

@@ -37,6 +37,7 @@ from .. import _compat
 from .._base._cast import cast, cast_cache, narrow_source
 from .._base._dtypes import dtype_of, is_float, is_low
 from .._base._prims import MATMULS
+from .._base._scopes import marker
 from .._base._structure import describe
 from . import _residual_format
 from ._compressed import bind_compressed, is_held
@@ -46,7 +47,7 @@ from ._rules import use_lower_precision
 # Scope of the checkpoints added around an equation to re-cast its inputs in
 # the backward pass: the scan rule inlines one whose casts it moved before the
 # loop (is_recast).
-RECAST_SCOPE = "jaxamp_recast"
+RECAST_SCOPE = marker("jaxamp_recast")
 
 
 def is_recast(eqn: Any) -> bool:

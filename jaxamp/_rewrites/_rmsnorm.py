@@ -24,11 +24,12 @@ from .._base import _state
 from .._base._cast import cast_cache
 from .._base._dtypes import is_low
 from .._base._jaxpr import is_var, named_subs
+from .._base._scopes import marker
 from .._policy._compressed import current_residual_format, store_compressed
 from .._walk._loop import PatternRewrite, Region, Walk
 
 # Scope of the checkpoint in which an RMSNorm's statistic and scaling run.
-RMS_SCOPE = "jaxamp_rms_norm"
+RMS_SCOPE = marker("jaxamp_rms_norm")
 
 
 def regions(jaxpr: Any, facts: Sequence) -> list[Region]:

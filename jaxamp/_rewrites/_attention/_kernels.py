@@ -21,12 +21,13 @@ import numpy as np
 from ... import _compat
 from ..._base._cast import cast
 from ..._base._dtypes import is_float
+from ..._base._scopes import marker
 from ..._policy import _derived_sums
 from ..._policy._compressed import current_residual_format, store_compressed
 from ._intercept import Spec, not_intercepting, unpack
 
 # The named_scope of the equations amp binds for an attention it re-dispatched.
-FUSED_SCOPE = "jaxamp_fused_attention"
+FUSED_SCOPE = marker("jaxamp_fused_attention")
 _FUSED_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
 
