@@ -238,19 +238,6 @@ def _mark_weight(out, call, invals, i, source, derive) -> None:
     cache[(id(out), "weight")] = (out, (source, remake))
 
 
-def current_residual_format() -> Format | None:
-    """The stored form of the values saved where the walk is now: the
-    ``"residuals"`` entry of the policy in force for the current scopes
-    (:meth:`AmpPolicy.residual_rule`), None for none, inside a user's
-    ``jax.checkpoint`` (recomputed anyway) and in rules JAX differentiates
-    itself (``WalkState.residuals_off``)."""
-    state = _state.current()
-    if state.policy is None or state.recomputed or state.residuals_off:
-        return None
-    rule = state.policy.residual_rule(state.scopes)
-    return None if rule is None else rule.format
-
-
 def encoded(x: Any, fmt: Format) -> tuple[Any, Any]:
     """``x`` in the stored form ``fmt``, ``(q, scale)``, made once per value
     and trace (the cast cache holds it), outside any gradient: every equation

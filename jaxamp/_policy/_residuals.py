@@ -17,7 +17,7 @@ a careful hand-written model keeps them (see ``docs/design.md``, "Residuals"):
   policy decides what is saved.
 
 With a residual format in force (``amp(residual_dtype=...)`` or the policy key
-``"residuals"``: :func:`residual_rule`; ``_compressed.current_residual_format``),
+``"residuals"``: :func:`residual_rule`; ``RuleContext.residual_format``),
 an equation whose backward pass reads an input that is not held is bound by
 ``_compressed.py`` instead: that input is saved in 8 bits with per-group
 scales and decoded in the backward pass. See ``docs/design.md``, "Compressed
