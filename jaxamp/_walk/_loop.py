@@ -320,24 +320,34 @@ def _run_eqn(eqn: Any, eqn_facts: Any, env: dict, ctx: AmpContext) -> None:
     by the :class:`RuleContext` built here, reading its inputs from ``env``
     and writing its outputs there."""
     invals = [read(env, v) for v in eqn.invars]
-    original = [v.aval.dtype for v in eqn.invars]
-    rc = ctx.rule_context(original, eqn_scopes(ctx.scopes, eqn), eqn_facts)
+    scopes = eqn_scopes(ctx.scopes, eqn)
     with _compat.eqn_context(eqn):
-        hop = ctx.pipeline.higher_order.get(eqn.primitive.name)
-        if hop is not None:
-            outs = hop(eqn, invals, ctx.inside(rc))
-        elif any(True for _ in _compat.sub_jaxprs(eqn.params)):
-            outs = run_unchanged(eqn, invals)
-        else:
-            outs = _apply_rule(eqn.primitive, eqn.params, invals, ctx, rc)
+        nested = any(True for _ in _compat.sub_jaxprs(eqn.params))
+        params = None if nested else _compat.bind_params(eqn.primitive, eqn.params)
+        original = [v.aval.dtype for v in eqn.invars]
+        rc = rule_context(ctx.compute_dtype, original, eqn_facts, scopes, ctx.policy)
+        outs = _dispatch(eqn, invals, ctx, rc, params)
     write(env, eqn, outs)
+
+
+def _dispatch(eqn: Any, invals: list, ctx: AmpContext, rc: RuleContext, params):
+    """The outputs of ``eqn``: rewritten by its higher-order rule, re-bound by
+    its rule with the bind ``params``, or, with sub-jaxprs and no
+    higher-order rule (``params`` None), bound unchanged."""
+    hop = ctx.pipeline.higher_order.get(eqn.primitive.name)
+    if hop is not None:
+        return hop(eqn, invals, ctx.inside(rc))
+    if params is not None:
+        return _apply_rule(eqn.primitive, params, invals, ctx, rc)
+    return run_unchanged(eqn, invals)
 
 
 def run_unchanged(eqn: Any, invals: list, ctx: AmpContext | None = None) -> Any:
     """Bind the equation as traced, inputs restored to their traced dtypes."""
     del ctx
+    inputs = restore_inputs(eqn, invals)
     params = _compat.bind_params(eqn.primitive, eqn.params)
-    return _compat.bind(eqn.primitive, restore_inputs(eqn, invals), params)
+    return _compat.bind(eqn.primitive, inputs, params)
 
 
 def restore_inputs(eqn: Any, invals: list) -> list:
@@ -399,7 +409,6 @@ def decide(rule: Callable, ctx: RuleContext, *invars: Any, **params: Any) -> Any
 
 def _apply_rule(prim, params: dict, invals: list, ctx: AmpContext, rc) -> Any:
     rule = ctx.policy.lookup(prim, rc.scopes)
-    params = _compat.bind_params(prim, params)
     if isinstance(rule, ImplementationRule):  # runs the equation itself
         return rule.decide(rc, *invals, **params)
     pipeline = ctx.pipeline
