@@ -9,8 +9,9 @@ transpose of a ``jit`` or ``scan`` body when it chooses (under ``jax.grad``,
 after the rule that bound them returned, or while an enclosing equation is
 bound), through its own call stack, which no argument of jaxamp's crosses.
 Such a trace must still find its walk's cast cache, held inputs and overflow
-flags, whether it is recomputed and whether it stores residuals, and which
-policy records the keys it asks. It lives in one immutable
+flags, whether it is recomputed and whether it stores residuals, which
+policy records the keys it asks, and where a report logs the choices it
+makes. It lives in one immutable
 :class:`WalkState`, held by one ``ContextVar`` and replaced, never mutated,
 by :func:`updated` for the extent of a ``with`` block (the equation loop sets
 it once per walk, not per equation). A trace that starts inside a block sees the
@@ -50,6 +51,9 @@ class WalkState:
         residuals_off: the walk binds a rule JAX differentiates itself (a
             ``custom_jvp`` rule, a ``custom_vjp``'s fwd or bwd): its values are
             not stored compressed (``_policy/_residuals.py``).
+        saved_choices: the list each checkpoint's saved-value choices are
+            logged to while :func:`jaxamp.memory_report` traces the step
+            (``_policy/_checkpoint.recording``); None: not logged.
     """
 
     held: Mapping[int, Any] | None = None
@@ -58,6 +62,7 @@ class WalkState:
     flags: dict | None = None
     recording: Any = None
     residuals_off: bool = False
+    saved_choices: list | None = None
 
 
 _WALK: contextvars.ContextVar[WalkState] = contextvars.ContextVar(

@@ -34,7 +34,6 @@ Each decision is logged for :func:`jaxamp.memory_report` (:func:`recording`).
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import functools
 from collections.abc import Callable, Iterator
@@ -93,25 +92,17 @@ class SavedChoice:
     source: str
 
 
-_LOG: contextvars.ContextVar[list | None] = contextvars.ContextVar(
-    "jaxamp_checkpoint_log", default=None
-)
-
-
 @contextlib.contextmanager
 def recording() -> Iterator[list]:
     """Within the block, each checkpoint's choices are appended to the
     yielded list as :class:`SavedChoice` s (once each)."""
     log: list = []
-    token = _LOG.set(log)
-    try:
+    with _state.updated(saved_choices=log):
         yield log
-    finally:
-        _LOG.reset(token)
 
 
 def _note(choice: SavedChoice) -> None:
-    log = _LOG.get()
+    log = _state.current().saved_choices
     if log is not None and choice not in log:
         log.append(choice)
 
