@@ -28,20 +28,19 @@ from ._policy import _derived_sums, _residuals
 from ._policy._lookup import AMP_REGION, AmpPolicy
 from ._policy._rules import Rule, default_amp_policy
 from ._rewrites import _attention, _layernorm, _rmsnorm
-from ._values._facts import current_facts
 from ._walk import _higher_order
 from ._walk._loop import AmpContext, Bind, Pipeline, eval_jaxpr
 
 
-def _runnable_product(prim: Any, invals: Any, params: dict, bind: Bind) -> Any:
+def _runnable_product(prim: Any, invals: Any, params: dict, bind: Bind, ctx) -> Any:
     """Bind step: a product the backend can run (``_compat.runnable_product``:
-    the XLA:CPU barrier on a transposed bfloat16 product's result)."""
+    the XLA:CPU barrier on a product the facts mark transposed)."""
     outs = bind(prim, invals, params)
-    transposed = current_facts().transposed
+    transposed = ctx is not None and ctx.facts.transposed
     return _compat.runnable_product(prim, invals, params, outs, transposed)
 
 
-def _overflow_check(prim: Any, invals: Any, params: dict, bind: Bind) -> Any:
+def _overflow_check(prim: Any, invals: Any, params: dict, bind: Bind, ctx) -> Any:
     """Bind step: NaN in place of a fresh forward overflow, when amp's
     ``overflow_check`` is on (``_overflow.poison``)."""
     return _overflow.poison(prim.name, invals, bind(prim, invals, params))

@@ -260,8 +260,9 @@ def source_line(eqn: Any) -> str:
     return _siu.summarize(eqn.source_info)
 
 
-# The name-stack component JAX 0.10 / 0.11 gives the body of a jax.checkpoint
-# when it is differentiated or partially evaluated (jax/_src/ad_checkpoint.py).
+# The name-stack component JAX 0.10 to 0.12 gives the body of a jax.checkpoint
+# when it is differentiated or partially evaluated (jax/_src/ad_checkpoint.py);
+# _base/_scopes.py leaves it out of every scope path.
 REMAT_BODY_SCOPE = "rematted_computation"
 
 

@@ -193,7 +193,7 @@ def test_policy_value_reprs_are_short():
 
 
 def _recording(name, log):
-    def step(prim, invals, params, bind):
+    def step(prim, invals, params, bind, ctx):
         log.append(f"{name}>")
         out = bind(prim, invals, params)
         log.append(f"<{name}")
@@ -206,11 +206,11 @@ def test_bind_steps_compose_innermost_first_and_switch_off_by_name():
     log = []
     steps = tuple((n, _recording(n, log)) for n in ("a", "b", "c"))
     args = (jax.lax.add_p, [jnp.ones(2), jnp.ones(2)], {})
-    out = Pipeline({}, bind_steps=steps).bind(*args)
+    out = Pipeline({}, bind_steps=steps).binder()(*args)
     np.testing.assert_array_equal(out, [2.0, 2.0])
     assert log == ["c>", "b>", "a>", "<a", "<b", "<c"]
     log.clear()
-    Pipeline({}, bind_steps=steps, off=frozenset({"b"})).bind(*args)
+    Pipeline({}, bind_steps=steps, off=frozenset({"b"})).binder()(*args)
     assert log == ["c>", "a>", "<a", "<c"]
 
 

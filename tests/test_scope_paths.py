@@ -2,10 +2,11 @@
 matches where its components occur as a contiguous run of an equation's
 ``jax.named_scope`` stack, through ``jit``, ``scan``, ``jax.checkpoint`` and
 nested amps; the longest matching key wins; single components keep matching
-every scope of that name; a path that matches nothing warns. The reports name
-an equation by one scope string, the key that matches it
-(jaxamp/_base/_scopes.py)."""
+every scope of that name; a path that matches nothing warns. The policy and
+the three reports read one scope path (jaxamp/_base/_scopes.py): a report
+names an equation by the path key that matched it."""
 
+import re
 import warnings
 
 import jax
@@ -298,7 +299,138 @@ def test_reports_give_one_scope_string_per_equation(loss, path):
         (("model", "layer0", "model", "layer0", "mlp"), "model/layer0/mlp"),
         (("a", "a", "rematted_computation", "b", "jaxamp_int8_matmul"), "a/b"),
         (("jaxamp.amp",), ""),
+        # A user's scope whose name starts with "jax" is the user's.
+        (("jaxamp.amp", "jaxformer", "mlp", "jaxamp_recast"), "jaxformer/mlp"),
+        (("jax_stack", "layer", "layer", "rematted_computation"), "jax_stack/layer"),
     ],
 )
 def test_scope_path_keeps_the_users_components_once(scopes, path):
     assert scope_path(scopes) == path
+
+
+# Every equation of a model with nested scopes (names starting with "jax"
+# too), an einsum, a jit, a scan and a jax.checkpoint: the scope string each
+# report gives it is the path of the policy key that matched it in the walk.
+# Each layer's weight has its own shape and each layer is one source line, so
+# an equation of a report names its layer by its line.
+W_SHAPES = {"attn": (8, 12), "mlp": (12, 16), "layer": (16, 16), "head": (16, 20)}
+KEYS = {  # layer -> the path of its scope, each a key of the policy below
+    "attn": "jaxformer/attn",
+    "mlp": "jaxformer/mlp",
+    "layer": "jaxformer/jax_stack/layer",
+    "head": "head",
+}
+
+
+def _mlp(x, w):
+    return jnp.tanh(x @ w)
+
+
+def _nested_scopes_model(ws, x):
+    with jax.named_scope("jaxformer"):
+        with jax.named_scope("attn"):
+            x = jnp.tanh(jnp.einsum("bi,ij->bj", x, ws["attn"]))
+        with jax.named_scope("mlp"):
+            x = jax.jit(_mlp)(x, ws["mlp"])
+
+        def body(h, _):
+            with jax.named_scope("layer"):
+                return jax.checkpoint(lambda h: jnp.tanh(h @ ws["layer"]))(h), None
+
+        with jax.named_scope("jax_stack"):
+            x, _ = jax.lax.scan(body, x, None, length=2)
+    with jax.named_scope("head"):
+        y = x @ ws["head"]
+    return jnp.mean(y * y)
+
+
+def _recording_policy(seen):
+    """The default policy, under one key per scope path of the model (and
+    their prefixes): each scope's rules are the default ones, recording
+    ``(key, scope path the rule was told, operand shapes)`` per equation."""
+    base = jaxamp.default_amp_policy
+
+    def recorder(key, rule):
+        @jaxamp.rules.CastRule.with_context
+        def record(ctx, *invars, **params):
+            shapes = tuple(tuple(np.shape(v)) for v in invars)
+            seen.append((key, scope_path(ctx.scopes), shapes))
+            return rule.decide(ctx, *invars, **params)
+
+        return record
+
+    def nested(key):
+        return {
+            **base,
+            **{
+                name: recorder(key, rule)
+                for name, rule in base.items()
+                if isinstance(name, str)
+                and type(rule) is jaxamp.rules.CastRule
+                and name not in ("amp_stop", "amp_default")
+            },
+        }
+
+    keys = {*KEYS.values(), "jaxformer", "jaxformer/jax_stack"}
+    return {**base, **{k: nested(k) for k in sorted(keys)}}
+
+
+def _line(source):
+    """``file:LINE`` of a report's ``file:LINE:COL (function)``."""
+    return re.match(r"(.*?:\d+)", source).group(1)
+
+
+def _layer_of(dims):
+    """The layer whose weight's dimensions are all among ``dims`` (the most
+    specific one), or None."""
+    found = [(len(set(s)), name) for name, s in W_SHAPES.items() if set(s) <= set(dims)]
+    return max(found)[1] if found else None
+
+
+# The recording policy holds every primitive's rule under every scope key.
+@pytest.mark.filterwarnings("ignore:jaxamp.amp. amp_policy key .* matched no primitive")
+def test_every_report_names_an_equation_by_the_key_that_matched_it():
+    ws = {k: _bf16_rounded(jnp.eye(*s) / 2) for k, s in W_SHAPES.items()}
+    x = X[:, :8]
+    seen: list = []
+    policy = _recording_policy(seen)
+    step = jax.grad(
+        jaxamp.amp(_nested_scopes_model, compute_dtype=BF16, amp_policy=policy)
+    )
+    quant = jaxamp.quantization_report(step, ws, x)
+    # In the walk, each rule was told the scope path of the key that matched.
+    assert seen and all(key == path for key, path, _ in seen), set(seen)
+    matched = {}  # layer -> the key that matched its product
+    for key, _, shapes in seen:
+        if len(shapes) == 2 and len(shapes[1]) == 2:
+            matched.setdefault(_layer_of(shapes[0] + shapes[1]), set()).add(key)
+    assert matched == {layer: {KEYS[layer]} for layer in KEYS}
+    assert KEYS["mlp"] == "jaxformer/mlp"  # not "mlp": "jaxformer" is the user's
+    # Each product of the gradient step (forward, both backward) names its layer
+    # by the key that matched its forward product; a layer is one source line.
+    line = {}
+    for r in quant:
+        layer = _layer_of(r.shape[1:])
+        assert r.scope == KEYS[layer], r
+        line[_line(r.source)] = KEYS[layer]
+    assert len(quant) == 3 * len(KEYS) and len(set(line.values())) == len(KEYS)
+    memory = jaxamp.memory_report(
+        _nested_scopes_model,
+        ws,
+        x,
+        compute_dtype=BF16,
+        amp_policy=policy,
+        compile=False,
+    )
+    report = jaxamp.precision_report(
+        _nested_scopes_model, ws, x, compute_dtype=BF16, amp_policy=policy
+    )
+    rows = [(_line(r.source), r.scope) for r in memory.rows]
+    sites = [(_line(r.source), r.scope) for r in report.records]
+    rows, sites = [r for r in rows if r[0] in line], [r for r in sites if r[0] in line]
+    assert rows and {scope for _, scope in sites} == set(KEYS.values())
+    for source, scope in rows + sites:
+        assert scope == line[source], (source, scope)
+    # Equations on other lines (the loss) are in no scope.
+    others = [r.scope for r in report.records if _line(r.source) not in line]
+    assert set(others) <= {""}, others

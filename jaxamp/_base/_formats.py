@@ -28,6 +28,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from ._scopes import marker
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class QFormat:
@@ -94,6 +96,7 @@ class QFormat:
         object.__setattr__(self, "bound", bound)
         object.__setattr__(self, "label", self.label or self.name)
         object.__setattr__(self, "aliases", tuple(a.lower() for a in self.aliases))
+        marker(self.scope)  # left out of scope paths
 
     @property
     def kind(self) -> str:

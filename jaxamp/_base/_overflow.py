@@ -36,6 +36,7 @@ import numpy as np
 from .. import _compat
 from . import _state
 from ._dtypes import dtype_of, is_float, limited_range
+from ._scopes import marker
 
 # Primitives that can turn finite inputs into a non-finite output.
 RISKY = frozenset(
@@ -64,7 +65,7 @@ RISKY = frozenset(
 
 # Named scope of the equations a check adds (finite tests, the NaN factor): the
 # scan rule recognises a cast's check when it casts the input before the loop.
-CHECK_SCOPE = "jaxamp_overflow_check"
+CHECK_SCOPE = marker("jaxamp_overflow_check")
 
 
 def checking(enabled: bool = True) -> contextlib.AbstractContextManager:

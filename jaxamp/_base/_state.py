@@ -1,16 +1,20 @@
-"""The walk state: what the interpreter's helpers share while amp binds.
+"""The walk's ambient state: the one ``ContextVar`` of the walk, and why.
 
-Rules receive their context as an argument (``_policy/_context.RuleContext``,
-built by the interpreter per equation). What stays here is what JAX's own
-tracing reaches without an argument to carry it: a ``custom_jvp`` rule or a
-``custom_vjp``'s fwd and bwd that JAX traces after the rule that bound them
-returned (under ``jax.grad``), and a ``scan`` or ``jit`` body it re-traces,
-must still find the trace's cast cache, its held inputs and overflow flags,
-and whether they are recomputed; and a rule with jaxamp 0.0.4's signature
-that calls a context rule by hand gets the equation's facts from here
-(``_context.from_walk``). It lives in one immutable :class:`WalkState`, held
-by one ``ContextVar`` and replaced, never mutated, by :func:`updated` for the
-extent of a ``with`` block. A trace that starts inside a block sees the
+What a rule, a higher-order rule and the residual choice read about an
+equation comes as an argument: the ``RuleContext`` the loop builds for it
+(``_policy/_context.py``), handed on in the ``AmpContext`` of a sub-jaxpr's
+walk (``_walk/_loop.py``). What stays here is what JAX's own tracing forces:
+JAX traces a ``custom_jvp`` rule, a ``custom_vjp``'s fwd and bwd, and the
+transpose of a ``jit`` or ``scan`` body when it chooses (under ``jax.grad``,
+after the rule that bound them returned, or while an enclosing equation is
+bound), through its own call stack, which no argument of jaxamp's crosses.
+Such a trace must still find its walk's cast cache, held inputs and overflow
+flags, whether it is recomputed and whether it stores residuals, which
+policy records the keys it asks, and where a report logs the choices it
+makes. It lives in one immutable
+:class:`WalkState`, held by one ``ContextVar`` and replaced, never mutated,
+by :func:`updated` for the extent of a ``with`` block (the equation loop sets
+it once per walk, not per equation). A trace that starts inside a block sees the
 block's state; nested blocks restore the outer state on exit.
 """
 
@@ -39,24 +43,26 @@ class WalkState:
             (value, cast value)``: one value cast once per dtype. None: no cache.
         flags: the overflow check's cache of non-finite flags of the current
             trace, ``id(value) -> (value, flag)``; None: no check.
-        facts: the value facts of the equation being bound (an
-            ``EqnFacts``; None outside a walk: every fact unknown).
-        scopes: the ``named_scope`` components of the equation being bound,
-            outermost first (with the enclosing equations' prefix).
-        policy: the policy of the walk (an ``AmpPolicy``; None outside one).
+        recording: the policy of the walk in progress (an ``AmpPolicy``;
+            None outside one): a rule JAX traces while this walk binds (a
+            ``custom_jvp``'s jvp of a rewrite another amp made with an equal
+            policy) records the keys it asks here too
+            (``_walk/_higher_order.rewrite_jaxpr``).
         residuals_off: the walk binds a rule JAX differentiates itself (a
             ``custom_jvp`` rule, a ``custom_vjp``'s fwd or bwd): its values are
             not stored compressed (``_policy/_residuals.py``).
+        saved_choices: the list each checkpoint's saved-value choices are
+            logged to while :func:`jaxamp.memory_report` traces the step
+            (``_policy/_checkpoint.recording``); None: not logged.
     """
 
     held: Mapping[int, Any] | None = None
     recomputed: bool = False
     casts: dict | None = None
     flags: dict | None = None
-    facts: Any = None
-    scopes: tuple = ()
-    policy: Any = None
+    recording: Any = None
     residuals_off: bool = False
+    saved_choices: list | None = None
 
 
 _WALK: contextvars.ContextVar[WalkState] = contextvars.ContextVar(

@@ -34,7 +34,6 @@ Each decision is logged for :func:`jaxamp.memory_report` (:func:`recording`).
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import functools
 from collections.abc import Callable, Iterator
@@ -93,25 +92,17 @@ class SavedChoice:
     source: str
 
 
-_LOG: contextvars.ContextVar[list | None] = contextvars.ContextVar(
-    "jaxamp_checkpoint_log", default=None
-)
-
-
 @contextlib.contextmanager
 def recording() -> Iterator[list]:
     """Within the block, each checkpoint's choices are appended to the
     yielded list as :class:`SavedChoice` s (once each)."""
     log: list = []
-    token = _LOG.set(log)
-    try:
+    with _state.updated(saved_choices=log):
         yield log
-    finally:
-        _LOG.reset(token)
 
 
 def _note(choice: SavedChoice) -> None:
-    log = _LOG.get()
+    log = _state.current().saved_choices
     if log is not None and choice not in log:
         log.append(choice)
 
@@ -239,9 +230,12 @@ def _name(eqn: Any) -> str:
     return eqn.primitive.name
 
 
-def store_checkpoint(eqn: Any, body: Any, invals: list, fmt: Format) -> Any:
-    """The checkpoint ``eqn`` with its rewritten ``body`` on ``invals``, its
-    saved values stored by the rule of the module docstring.
+def store_checkpoint(
+    eqn: Any, body: Any, invals: list, fmt: Format, scopes: tuple[str, ...]
+) -> Any:
+    """The checkpoint ``eqn`` (scope components ``scopes``) with its
+    rewritten ``body`` on ``invals``, its saved values stored by the rule of
+    the module docstring.
 
     Returns:
         The outputs, or None where it cannot be bound so (an output is not a
@@ -277,7 +271,7 @@ def store_checkpoint(eqn: Any, body: Any, invals: list, fmt: Format) -> Any:
         return None
     reads_in, reads_saved = _reads(traced, n_out, floats)
     operands = product_operands(tcore)
-    where, names = _described(eqn)
+    where, names = _described(eqn, scopes)
     in_plan = []
     for j, a in enumerate(args):
         how = "raw" if is_held(a) else "none"
@@ -362,7 +356,7 @@ def _plan_saved(core, v, operands, fmt, where, name) -> Any:
     return Split(axis, sizes, tuple(hows))
 
 
-def _described(eqn: Any) -> tuple[tuple, Callable[[int], str]]:
+def _described(eqn: Any, scopes: tuple) -> tuple[tuple, Callable[[int], str]]:
     """``((scopes, source), name of input i)`` of a checkpoint equation: its
     call's source line or the function it checkpoints, its argument names."""
     info = getattr(_compat.jaxpr_parts(eqn.params["jaxpr"])[0], "debug_info", None)
@@ -372,7 +366,7 @@ def _described(eqn: Any) -> tuple[tuple, Callable[[int], str]]:
     def name(i: int) -> str:
         return names[i] if i < len(names) and names[i] else str(i)
 
-    return (_state.current().scopes, source), name
+    return (scopes, source), name
 
 
 def _log(where, value, x, how, rule) -> None:

@@ -33,6 +33,7 @@ from .._base._prims import (
     MATMULS,
     READS_NO_VALUE,
 )
+from .._base._scopes import marker
 from ._residual_format import Format, compressible, decode, encode
 
 
@@ -181,7 +182,7 @@ def _exp_storing_output(call: Any, invals: Sequence[Any], fmt: Format) -> Any:
     return stored(x, *codes)
 
 
-RESIDUAL_SCOPE = "jaxamp_residual_code"
+RESIDUAL_SCOPE = marker("jaxamp_residual_code")
 # Equations that re-lay out or re-type their input: applied to held values
 # (a weight's transpose or cast), their output is a weight too, never stored
 # compressed (an 8-bit weight would coarsen the cotangents it carries back).
@@ -235,19 +236,6 @@ def _mark_weight(out, call, invals, i, source, derive) -> None:
         return call.apply(*vals)
 
     cache[(id(out), "weight")] = (out, (source, remake))
-
-
-def current_residual_format() -> Format | None:
-    """The stored form of the values saved where the walk is now: the
-    ``"residuals"`` entry of the policy in force for the current scopes
-    (:meth:`AmpPolicy.residual_rule`), None for none, inside a user's
-    ``jax.checkpoint`` (recomputed anyway) and in rules JAX differentiates
-    itself (``WalkState.residuals_off``)."""
-    state = _state.current()
-    if state.policy is None or state.recomputed or state.residuals_off:
-        return None
-    rule = state.policy.residual_rule(state.scopes)
-    return None if rule is None else rule.format
 
 
 def encoded(x: Any, fmt: Format) -> tuple[Any, Any]:

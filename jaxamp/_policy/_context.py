@@ -1,14 +1,15 @@
 """What a rule is told about the equation it decides: one argument.
 
-A rule declared with context (``CastRule.with_context``,
+The loop builds one :class:`RuleContext` per equation (:func:`rule_context`,
+called by ``_walk/_loop.py``): its rule, a higher-order rule (through the
+``AmpContext`` of its sub-jaxprs) and the residual choice read it. A rule
+declared with context (``CastRule.with_context``,
 ``ImplementationRule.with_context``) is called as ``fn(ctx, *invars,
-**params)`` with a :class:`RuleContext`; the interpreter builds it for each
-equation from what it walks with (``_walk/_loop.py``). A rule with jaxamp
-0.0.4's signature ``fn(compute_dtype, original_dtypes, *invars, **params)``
-gets the first two fields. Calling a context rule with 0.0.4's signature (a
-user's rule delegating to :func:`jaxamp.rules.follow_compute_precision`) builds the
-context from the walk state instead (:func:`from_walk`): the one place a rule's
-context comes from the ``ContextVar`` of ``_base/_state.py``.
+**params)``. A rule with jaxamp 0.0.4's signature ``fn(compute_dtype,
+original_dtypes, *invars, **params)`` gets the first two fields, the traced
+dtypes as a :class:`TracedDtypes` list that carries the whole context: a
+0.0.4 rule that passes it on to a context rule (a user's rule delegating to
+:func:`jaxamp.rules.follow_compute_precision`) passes on the equation's facts.
 """
 
 from __future__ import annotations
@@ -20,8 +21,7 @@ from typing import Any
 import numpy as np
 
 from .._base import _state
-from .._values._facts import UNKNOWN, EqnFacts, current_facts
-from ._compressed import current_residual_format
+from .._values._facts import UNKNOWN, EqnFacts
 from ._residual_format import Format
 
 
@@ -38,7 +38,8 @@ class RuleContext:
             which loop carries may narrow, ...); None (every fact unknown,
             false) outside an analysed walk.
         scopes: the ``named_scope`` components of the equation, outermost
-            first (with the enclosing equations' prefix).
+            first (with the enclosing equations' prefix; its scope path is
+            ``_base/_scopes.scope_path(scopes)``).
         policy: the policy in force (an ``AmpPolicy``), None outside a walk.
         residual_format: the stored form of the residuals saved here (a
             ``_residual_format.Format``), None where they are kept in the dtype they
@@ -60,16 +61,55 @@ class RuleContext:
             object.__setattr__(self, "facts", UNKNOWN)
 
 
-def from_walk(compute_dtype: Any, original_dtypes: Sequence[Any]) -> RuleContext:
-    """The context of the equation the walk is binding now (every field but
-    the two given from the walk state; defaults outside a walk)."""
+def rule_context(
+    compute_dtype: Any,
+    original_dtypes: Sequence[Any],
+    facts: EqnFacts | None,
+    scopes: tuple[str, ...],
+    policy: Any,
+) -> RuleContext:
+    """The context of an equation walked under ``policy``: the residual
+    format is the ``"residuals"`` entry in force for ``scopes``
+    (``AmpPolicy.residual_rule``), None inside a user's ``jax.checkpoint``
+    (recomputed anyway) and in a rule JAX differentiates itself
+    (``WalkState.residuals_off``)."""
     state = _state.current()
+    rule = None
+    if policy is not None and not (state.recomputed or state.residuals_off):
+        rule = policy.residual_rule(scopes)
     return RuleContext(
-        compute_dtype=np.dtype(compute_dtype) if compute_dtype is not None else None,
+        compute_dtype=compute_dtype,
         original_dtypes=tuple(original_dtypes),
-        facts=current_facts(),
-        scopes=state.scopes,
-        policy=state.policy,
-        residual_format=current_residual_format(),
+        facts=facts,
+        scopes=scopes,
+        policy=policy,
+        residual_format=None if rule is None else rule.format,
         recomputed=state.recomputed,
+    )
+
+
+class TracedDtypes(list):
+    """The traced input dtypes as jaxamp 0.0.4's rule signature passes them
+    (a list), with the equation's :class:`RuleContext` as ``context``."""
+
+    context: RuleContext | None = None
+
+    @classmethod
+    def of(cls, ctx: RuleContext) -> TracedDtypes:
+        """``ctx.original_dtypes`` as a list carrying ``ctx``."""
+        dtypes = cls(ctx.original_dtypes)
+        dtypes.context = ctx
+        return dtypes
+
+
+def from_dtypes(compute_dtype: Any, original_dtypes: Sequence[Any]) -> RuleContext:
+    """The context of a context rule called with 0.0.4's signature: the one
+    ``original_dtypes`` carries (:class:`TracedDtypes`) with the two given
+    fields, else those two and every fact unknown (a rule called by hand)."""
+    cd = None if compute_dtype is None else np.dtype(compute_dtype)
+    carried = getattr(original_dtypes, "context", None)
+    if carried is None:
+        return RuleContext(compute_dtype=cd, original_dtypes=tuple(original_dtypes))
+    return dataclasses.replace(
+        carried, compute_dtype=cd, original_dtypes=tuple(original_dtypes)
     )

@@ -255,6 +255,7 @@ def bind(
     invals: Sequence[Any],
     params: dict,
     bind: Callable[[Any, Sequence[Any], dict], Any] = _compat.bind,
+    ctx: Any = None,
 ) -> Any:
     """Bind ``prim`` so that the sums its derivatives need run in float32 (a
     bind step of the pipeline, ``_walk._loop.BindStep``).
@@ -264,6 +265,7 @@ def bind(
         invals: its inputs after the policy's casts (arrays, tracers or literals).
         params: its bind parameters (as from ``_compat.bind_params``).
         bind: how to bind an equation that needs no ``custom_jvp``.
+        ctx: the equation's ``RuleContext`` (unread: the inputs' dtypes decide).
 
     Returns:
         ``prim``'s outputs, with the same values and dtypes as ``prim.bind``.

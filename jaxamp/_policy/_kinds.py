@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .._base import _formats
-from ._context import RuleContext, from_walk
+from ._context import RuleContext, TracedDtypes, from_dtypes
 from ._residual_format import Format, parse_dtype
 
 ATTENTION_KEY = "attention"
@@ -102,12 +102,13 @@ class CastRule:
         """``fn``'s result for the equation ``ctx`` describes."""
         if self.context:
             return self.fn(ctx, *invars, **params)
-        original = list(ctx.original_dtypes)  # a list, as jaxamp 0.0.4 passed
+        # A list, as jaxamp 0.0.4 passed; it carries ctx to a rule it reaches.
+        original = TracedDtypes.of(ctx)
         return self.fn(ctx.compute_dtype, original, *invars, **params)
 
     def __call__(self, compute_dtype, original_dtypes, *invars, **params):
-        if self.context:  # called with 0.0.4's signature: the walk's context
-            ctx = from_walk(compute_dtype, original_dtypes)
+        if self.context:  # called with 0.0.4's signature: the carried context
+            ctx = from_dtypes(compute_dtype, original_dtypes)
             return self.fn(ctx, *invars, **params)
         return self.fn(compute_dtype, original_dtypes, *invars, **params)
 

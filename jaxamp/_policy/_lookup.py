@@ -22,6 +22,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 from .. import _compat
+from .._base._scopes import components, marker
 from .._base._structure import registered
 from ._kinds import (
     ATTENTION_KEY,
@@ -38,7 +39,7 @@ from ._rules import default_amp_policy
 
 # Scope that marks equations an amp has already rewritten: an enclosing amp
 # treats them as "amp_stop", so the innermost amp decides inside its region.
-AMP_REGION = "jaxamp.amp"
+AMP_REGION = marker("jaxamp.amp")
 
 # Keys that apply without matching a primitive or a scope of the function.
 _SPECIAL_KEYS = ("amp_stop", "amp_default")
@@ -79,12 +80,6 @@ def _path(key: str) -> tuple[str, ...]:
             "separated by single '/', e.g. 'layer2/mlp'."
         )
     return parts
-
-
-def _user_path(scopes: Sequence[str]) -> tuple[str, ...]:
-    """The scope components path keys are matched against: without the scope
-    JAX gives a differentiated ``jax.checkpoint`` body."""
-    return tuple(s for s in scopes if s != _compat.REMAT_BODY_SCOPE)
 
 
 def _find(path: tuple[str, ...], names: Sequence[str]) -> int:
@@ -176,19 +171,19 @@ class AmpPolicy:
     mappings are converted.
 
     Lookup order: ``"amp_stop"`` (or an inner amp's region) anywhere on the
-    scope stack; then the scope keys that match the equation's scope stack: a
-    path ``"a/b"`` matches where its components occur as a contiguous run of
-    the stack (anywhere, not only from the root; JAX's
-    ``rematted_computation`` component is skipped), a name where it is one
-    component; the longest matching key wins, and among equally long ones the
-    outermost (as jaxamp 0.0.4 for names); then the primitive object, then the
-    primitive name; then, in a policy built on the default table (one that
+    scope stack; then the scope keys that match the equation's scope path
+    (``_base/_scopes.components``: the scopes the user opened, the string the
+    reports print): a path ``"a/b"`` matches where its components occur as a
+    contiguous run of it (anywhere, not only from the root), a name where it is
+    one component; the longest matching key wins, and among equally long ones
+    the outermost (as jaxamp 0.0.4 for names); then the primitive object, then
+    the primitive name; then, in a policy built on the default table (one that
     holds :data:`jaxamp.default_amp_policy`'s own ``"amp_default"`` entry, as
-    every copy of it and jaxamp's ready-made policies do), the default rule of
-    a registered higher-order primitive (``_base/_structure.py``), read when
-    looked up, so that a primitive registered after the policy was built has
-    its entry; then ``"amp_default"``. A nested policy found on the stack is
-    looked up with the components inside its match.
+    every copy of it and jaxamp's ready-made policies do), the default rule of a
+    registered higher-order primitive (``_base/_structure.py``), read when
+    looked up, so that a primitive registered after the policy was built has its
+    entry; then ``"amp_default"``. A nested policy found on the stack is looked
+    up with the components inside its match.
 
     The view is immutable but for the record of the primitive names and scope
     stacks :meth:`lookup` was asked about (across every trace of the amp'd
@@ -290,11 +285,12 @@ class AmpPolicy:
         first (recorded: see :meth:`warn_unmatched`)."""
         name = primitive if isinstance(primitive, str) else primitive.name
         self._seen_prims.add(name)
-        self._seen_scopes.update(scopes)
-        self._seen_stacks.add(_user_path(scopes))
+        path = components(tuple(scopes))
+        self._seen_scopes.update(path)
+        self._seen_stacks.add(path)
         if "amp_stop" in scopes or AMP_REGION in scopes:
             return self._stop
-        found = self._in_scopes(scopes, name == ATTENTION_KEY)
+        found = self._in_scopes(path, name == ATTENTION_KEY)
         if found is not None:
             value, inside = found
             if isinstance(value, AmpPolicy):  # nested: look up inside the scope
@@ -316,36 +312,34 @@ class AmpPolicy:
         if "amp_stop" in scopes or AMP_REGION in scopes:
             return None
         own = self._by_name.get(RESIDUALS_KEY)
-        found = self._in_scopes(scopes, False)
+        found = self._in_scopes(components(tuple(scopes)), False)
         if found is not None and isinstance(found[0], AmpPolicy):
             inner = found[0].residual_rule(found[1])
             if inner is not None:
                 return inner
         return own if isinstance(own, ResidualRule) else None
 
-    def _in_scopes(self, scopes: Sequence[str], attention: bool) -> tuple | None:
+    def _in_scopes(self, path: tuple[str, ...], attention: bool) -> tuple | None:
         """``(value, components inside the match)`` of the scope key that wins
-        on ``scopes`` (see the class docstring), or None. An attention rule
-        matches only when ``attention`` (the attention lookup); a residual
-        rule never (it is no rule for a scope named ``"residuals"``)."""
-        best = None  # (components, start, value, end in scopes)
-        for i, scope in enumerate(scopes):
+        on the scope path ``path`` (``_scopes.components``; see the class
+        docstring), or None. An attention rule matches only when
+        ``attention`` (the attention lookup); a residual rule never (it is no
+        rule for a scope named ``"residuals"``)."""
+        best = None  # (components, start, value)
+        for i, scope in enumerate(path):
             value = self._by_name.get(scope)
             if value is None or (isinstance(value, AttentionRule) and not attention):
                 continue
             if isinstance(value, ResidualRule):
                 continue
-            best = (1, i, value, i + 1)
+            best = (1, i, value)
             break
-        if self._by_path:
-            kept = [i for i, s in enumerate(scopes) if s != _compat.REMAT_BODY_SCOPE]
-            names = [scopes[i] for i in kept]
-            for path, value in self._by_path.items():
-                j = _find(path, names)
-                n = len(path)
-                if j >= 0 and (best is None or (n, -j) > (best[0], -best[1])):
-                    best = (n, j, value, kept[j + n - 1] + 1)
-        return None if best is None else (best[2], tuple(scopes[best[3] :]))
+        for key, value in self._by_path.items():
+            j = _find(key, path)
+            n = len(key)
+            if j >= 0 and (best is None or (n, -j) > (best[0], -best[1])):
+                best = (n, j, value)
+        return None if best is None else (best[2], path[best[1] + best[0] :])
 
     def _matched(self, name: str) -> bool:
         """Whether the key ``name`` (primitive, scope name or path) matched."""

@@ -17,7 +17,7 @@ a careful hand-written model keeps them (see ``docs/design.md``, "Residuals"):
   policy decides what is saved.
 
 With a residual format in force (``amp(residual_dtype=...)`` or the policy key
-``"residuals"``: :func:`residual_rule`; ``_compressed.current_residual_format``),
+``"residuals"``: :func:`residual_rule`; ``RuleContext.residual_format``),
 an equation whose backward pass reads an input that is not held is bound by
 ``_compressed.py`` instead: that input is saved in 8 bits with per-group
 scales and decoded in the backward pass. See ``docs/design.md``, "Compressed
@@ -37,6 +37,7 @@ from .. import _compat
 from .._base._cast import cast, cast_cache, narrow_source
 from .._base._dtypes import dtype_of, is_float, is_low
 from .._base._prims import MATMULS
+from .._base._scopes import marker
 from .._base._structure import describe
 from . import _residual_format
 from ._compressed import bind_compressed, is_held
@@ -46,7 +47,7 @@ from ._rules import use_lower_precision
 # Scope of the checkpoints added around an equation to re-cast its inputs in
 # the backward pass: the scan rule inlines one whose casts it moved before the
 # loop (is_recast).
-RECAST_SCOPE = "jaxamp_recast"
+RECAST_SCOPE = marker("jaxamp_recast")
 
 
 def is_recast(eqn: Any) -> bool:

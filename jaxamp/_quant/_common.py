@@ -32,6 +32,7 @@ import numpy as np
 
 from .. import _compat
 from .._base._dtypes import is_float, widest
+from .._base._scopes import marker
 from .._policy._kinds import ImplementationRule
 from .._policy._lookup import builtin_rule
 from .._policy._rules import default_amp_policy, use_compute_precision
@@ -41,12 +42,12 @@ SizeRule = Callable[[int, int, int], bool]
 # Name-stack markers put around the equations an 8-bit rule emits (a format's
 # own marker is its ``QFormat.scope``, ``amp_<label>_matmul``); read by
 # ``jaxamp.quantization_report`` to say why a matmul stayed unquantized.
-SMALL_SCOPE = "jaxamp_small_matmul"
+SMALL_SCOPE = marker("jaxamp_small_matmul")
 # A gradient product the int8 recipe keeps in the compute dtype (wgrad by default).
-KEPT_SCOPE = "jaxamp_kept_matmul"
+KEPT_SCOPE = marker("jaxamp_kept_matmul")
 # A product feeding the loss (no other matmul after it: the head's logits)
 # that an 8-bit policy keeps in the compute dtype (``quantize_last_matmul``).
-LOSS_SCOPE = "jaxamp_loss_matmul"
+LOSS_SCOPE = marker("jaxamp_loss_matmul")
 
 
 def torchao_tensorwise_size_rule(m: int, k: int, n: int) -> bool:

@@ -23,11 +23,12 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
+from .._base._scopes import marker
 from .._walk._loop import PatternRewrite, Region, Walk
 from ._rmsnorm import run_region
 
 # Scope of the checkpoint in which a LayerNorm's centring and normalisation run.
-LN_SCOPE = "jaxamp_layer_norm"
+LN_SCOPE = marker("jaxamp_layer_norm")
 
 
 def regions(jaxpr: Any, facts: Sequence) -> list[Region]:

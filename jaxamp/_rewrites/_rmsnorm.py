@@ -24,11 +24,12 @@ from .._base import _state
 from .._base._cast import cast_cache
 from .._base._dtypes import is_low
 from .._base._jaxpr import is_var, named_subs
-from .._policy._compressed import current_residual_format, store_compressed
+from .._base._scopes import marker
+from .._policy._compressed import store_compressed
 from .._walk._loop import PatternRewrite, Region, Walk
 
 # Scope of the checkpoint in which an RMSNorm's statistic and scaling run.
-RMS_SCOPE = "jaxamp_rms_norm"
+RMS_SCOPE = marker("jaxamp_rms_norm")
 
 
 def regions(jaxpr: Any, facts: Sequence) -> list[Region]:
@@ -77,7 +78,8 @@ def run_region(
         return local[eqns[-1].outvars[0]]
 
     vals = [walk.env[v] for v in leaves]
-    fmt = current_residual_format()  # the entering values stored in it, if any
+    # The entering values are stored in the last equation's residual format.
+    fmt = walk.context(region[-1]).residual_format
     if fmt is not None:
         with jax.named_scope(scope):
             outs = store_compressed(run, vals, fmt, recomputed=True)

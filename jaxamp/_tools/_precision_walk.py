@@ -44,14 +44,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _compat
-from .._base import _state
 from .._base._cast import restore
 from .._base._dtypes import is_float
 from .._base._jaxpr import bind_eqn, is_var, read
 from .._base._scopes import eqn_scopes
 from .._base._structure import Structure, describe, runs_whole
 from .._values import _facts
-from .._walk._loop import AmpContext, Walk, check_rule_result
+from .._walk._loop import AmpContext, Walk, check_rule_result, decide
 
 
 @dataclasses.dataclass
@@ -365,9 +364,9 @@ class DiffVisitor(_Visitor):
         # The policy's rule for scan chooses amp's carry dtypes (bfloat16
         # residual streams), as the interpreter's scan rule does.
         rule = ctx.policy.lookup(eqn.primitive, ctx.scopes)
-        with _state.updated(facts=facts):
-            amp_c = [c[1] for c in carries]
-            result = rule(ctx.compute_dtype, [c[0].dtype for c in carries], *amp_c)
+        amp_c = [c[1] for c in carries]
+        rc = ctx.rule_context([c[0].dtype for c in carries], ctx.scopes, facts)
+        result = decide(rule, rc, *amp_c)
         amp_c, _ = check_rule_result(result, eqn.primitive, rule, len(carries))
         return [(c[0], a) for c, a in zip(carries, amp_c)]
 
@@ -482,7 +481,7 @@ def traverse(
             for v in eqn.invars
         ]
         scopes = eqn_scopes(ctx.scopes, eqn)
-        inner = ctx.inside(scopes)
+        inner = dataclasses.replace(ctx, scopes=scopes, facts=None)
         structure = None if runs_whole(eqn) else describe(eqn)
         if structure is not None and structure.call:
             sub = structure.subs[0].jaxpr

@@ -79,7 +79,6 @@ import dataclasses
 import weakref
 from typing import Any
 
-from .._base import _state
 from .._base._jaxpr import is_var, named_subs
 from .._base._prims import DATA_MOVEMENT, MATMULS
 from .._base._structure import Structure, SubJaxpr, call_body, describe
@@ -211,16 +210,6 @@ class EqnFacts:
 
 
 UNKNOWN = EqnFacts()
-
-
-def current_facts() -> EqnFacts:
-    """The facts of the equation the interpreter is binding (for rules).
-
-    Outside a jaxamp walk (a rule called by hand) every fact is unknown and
-    false: rules then behave as they did without the analysis.
-    """
-    facts = _state.current().facts
-    return UNKNOWN if facts is None else facts
 
 
 @dataclasses.dataclass(frozen=True)

@@ -50,12 +50,7 @@ from .._base._cast import cast_cache, narrow_sources, restore
 from .._base._dtypes import dtype_of
 from .._base._structure import Structure, SubJaxpr, describe_call
 from .._policy._checkpoint import offloads, policy_cases, store_checkpoint
-from .._policy._compressed import (
-    current_residual_format,
-    is_held,
-    recomputable,
-    store_compressed,
-)
+from .._policy._compressed import is_held, recomputable, store_compressed
 from .._policy._lookup import AmpPolicy
 from .._policy._residual_format import compressible
 from .._policy._rules import narrow_bfloat16_carries
@@ -66,7 +61,6 @@ from ._loop import (
     decide,
     eval_jaxpr,
     restore_inputs,
-    rule_context,
     run_unchanged,
 )
 from ._register import higher_order_rules as higher_order_rules
@@ -115,8 +109,8 @@ def rewrite_jaxpr(
     except TypeError:  # not weak-referenceable: no caching
         per_jaxpr = {}
     # The value facts of the outputs' uses, as the enclosing equation's analysis
-    # found them (None when traced lazily, e.g. a jvp rule under jax.grad).
-    edge = _facts.current_facts().boundary_for(jaxpr)
+    # found them (None for a jaxpr it did not see, e.g. a jvp rule's).
+    edge = (ctx.facts or _facts.UNKNOWN).boundary_for(jaxpr)
     state = _state.current()
     modes = (state.recomputed, state.residuals_off)
     # The registry's generation: a rewrite made before a higher-order primitive
@@ -136,7 +130,7 @@ def rewrite_jaxpr(
     ctx.policy.replay(recorder)
     # A rule traced later under another amp's walk with an equal policy (JAX
     # reuses the rule's trace for it): that amp's policy records it too.
-    walking = state.policy
+    walking = state.recording
     if walking is not None and walking is not ctx.policy:
         if walking.value_key == key[0][0]:
             walking.replay(recorder)
@@ -221,7 +215,7 @@ def _call(eqn: Any, invals: list, ctx: AmpContext) -> Any:
     # its policy names) each by the rule (_policy/_checkpoint.py), or all
     # inputs of a call cheap and safe to recompute (jax.nn.silu), are saved
     # compressed and the body recomputed from them (_policy/_compressed.py).
-    fmt = current_residual_format()
+    fmt = ctx.residual_format
     saves = remat and "save" in policy_cases(params.get("policy"), params[name])
     stored = fmt is not None and (saves or _worth_storing(invals))
     stored = stored and (remat or recomputable(params[name]))
@@ -234,7 +228,7 @@ def _call(eqn: Any, invals: list, ctx: AmpContext) -> Any:
     if params[name] is None:
         return run_unchanged(eqn, invals, ctx)
     if stored and remat:
-        outs = store_checkpoint(eqn, params[name], invals, fmt)
+        outs = store_checkpoint(eqn, params[name], invals, fmt, ctx.scopes)
         if outs is not None:
             return outs
     return _bind_stored(eqn.primitive, params, invals, fmt if stored else None)
@@ -368,7 +362,7 @@ def _scan(eqn: Any, invals: list, ctx: AmpContext) -> Any:
     invals = restore_inputs(eqn, invals)
     carry_vars = eqn.invars[n_consts : n_consts + n_carry]
     rule = ctx.policy.lookup(eqn.primitive, ctx.scopes)
-    rc = rule_context(ctx, [v.aval.dtype for v in carry_vars], ctx.scopes, ctx.facts)
+    rc = ctx.rule_context([v.aval.dtype for v in carry_vars], ctx.scopes, ctx.facts)
     result = decide(rule, rc, *invals[n_consts : n_consts + n_carry])
     carry, _ = check_rule_result(result, eqn.primitive, rule, n_carry)
     dtypes = tuple(
@@ -449,7 +443,7 @@ def _custom_jvp_call(eqn: Any, invals: list, ctx: AmpContext) -> Any:
     in_dtypes = _changed_dtypes(invals, eqn.invars)
     # With a residual format the function's inputs are saved compressed and
     # its jvp rule runs in the backward pass on the decoded values.
-    fmt = current_residual_format()
+    fmt = ctx.residual_format
     stored = fmt is not None and _worth_storing(invals)
     stored = stored and recomputable(params["call_jaxpr"])
     with _state.recomputing(stored):

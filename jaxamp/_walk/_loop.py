@@ -35,8 +35,7 @@ from .._base import _state
 from .._base._cast import cast_cache, restore, widen
 from .._base._jaxpr import read, write
 from .._base._scopes import eqn_scopes
-from .._policy._compressed import current_residual_format
-from .._policy._context import RuleContext
+from .._policy._context import RuleContext, TracedDtypes, rule_context
 from .._policy._kinds import ImplementationRule
 from .._policy._lookup import AmpPolicy
 from .._values import _facts
@@ -46,10 +45,11 @@ HigherOrderRule = Callable[[Any, list, "AmpContext"], Any]
 Bind = Callable[[Any, Sequence[Any], dict], Any]
 """``bind(prim, invals, params) -> outputs``: binds a primitive."""
 
-BindStep = Callable[[Any, Sequence[Any], dict, Bind], Any]
-"""``step(prim, invals, params, bind) -> outputs``: one step of binding a
+BindStep = Callable[[Any, Sequence[Any], dict, Bind, "RuleContext | None"], Any]
+"""``step(prim, invals, params, bind, ctx) -> outputs``: one step of binding a
 ruled equation; ``bind`` binds through the steps listed before it (for the
-first step, the primitive's own bind)."""
+first step, the primitive's own bind); ``ctx``: the equation's
+:class:`RuleContext` (None where a primitive is bound outside a walk)."""
 
 ResidualChoice = Callable[["RuleCall", list, frozenset], Any]
 """``choice(call, invals, off) -> outputs``: binds a ruled equation through
@@ -125,37 +125,51 @@ class Pipeline:
     residuals: ResidualChoice | None = None
 
     @functools.cached_property
-    def bind(self) -> Bind:
-        """The bind steps not switched off, composed into one :data:`Bind`."""
+    def _steps(self) -> tuple[BindStep, ...]:
+        return tuple(step for name, step in self.bind_steps if name not in self.off)
+
+    def binder(self, ctx: RuleContext | None = None) -> Bind:
+        """The bind steps not switched off, composed into one :data:`Bind`
+        for the equation ``ctx`` describes."""
         bind: Bind = _compat.bind
-        for name, step in self.bind_steps:
-            if name not in self.off:
-                bind = functools.partial(_through, step, bind)
+        for step in self._steps:
+            bind = functools.partial(_through, step, bind, ctx)
         return bind
 
 
-def _through(step: BindStep, inner: Bind, prim: Any, invals: Sequence, params: dict):
-    return step(prim, invals, params, inner)
+def _through(step: BindStep, inner: Bind, ctx, prim: Any, invals: Sequence, params):
+    return step(prim, invals, params, inner, ctx)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class AmpContext:
     """What one jaxpr walk needs: the compute dtype, the policy, the tables,
-    and the ``named_scope`` components of the enclosing equations (sub-jaxprs
-    are traced with a fresh name stack, so the walk carries the prefix)."""
+    and, from the :class:`RuleContext` the loop built for the enclosing
+    higher-order equation (:meth:`inside`), its ``named_scope`` components
+    (sub-jaxprs are traced with a fresh name stack, so the walk carries the
+    prefix), its value facts and its residual format."""
 
     compute_dtype: np.dtype
     policy: AmpPolicy
     pipeline: Pipeline
     scopes: tuple[str, ...] = ()
     facts: Any = None
+    residual_format: Any = None
 
-    def inside(self, scopes: tuple[str, ...], facts: Any = None) -> AmpContext:
-        """The context of a higher-order equation with scope ``scopes`` and
-        value facts ``facts`` (an ``EqnFacts``), for its rule and sub-jaxprs."""
-        if scopes == self.scopes and facts is self.facts:
-            return self
-        return dataclasses.replace(self, scopes=scopes, facts=facts)
+    def inside(self, rc: RuleContext) -> AmpContext:
+        """The context of the higher-order equation ``rc`` describes, for its
+        rule and its sub-jaxprs."""
+        return dataclasses.replace(
+            self, scopes=rc.scopes, facts=rc.facts, residual_format=rc.residual_format
+        )
+
+    def rule_context(
+        self, original: Sequence[Any], scopes: tuple, facts: Any = None
+    ) -> RuleContext:
+        """The :class:`RuleContext` of an equation with the traced input
+        dtypes ``original``, scope components ``scopes`` and value facts
+        ``facts``, walked under this context."""
+        return rule_context(self.compute_dtype, original, facts, scopes, self.policy)
 
     @property
     def key(self) -> tuple:
@@ -176,6 +190,13 @@ class Walk:
     def read(self, v: Any) -> Any:
         """The current value of variable or literal ``v``."""
         return read(self.env, v)
+
+    def context(self, j: int) -> RuleContext:
+        """The :class:`RuleContext` of equation ``j``, as the loop builds it."""
+        eqn = self.jaxpr.eqns[j]
+        scopes = eqn_scopes(self.ctx.scopes, eqn)
+        original = [v.aval.dtype for v in eqn.invars]
+        return self.ctx.rule_context(original, scopes, self.facts[j])
 
     def run_eqn(self, j: int, env: dict | None = None) -> None:
         """Walk equation ``j`` as the loop would, on ``env`` (default: the
@@ -246,7 +267,7 @@ def eval_jaxpr(
         env.update(zip(jaxpr.constvars, consts))
         env.update(zip(jaxpr.invars, args))
         held_map = {id(x): x for x, h in pairs if h and isinstance(x, jax.Array)}
-        with _state.updated(held=held_map):
+        with _state.updated(held=held_map, recording=ctx.policy):
             return _eval_eqns(jaxpr, env, ctx, boundary)
 
 
@@ -287,10 +308,7 @@ def _in_region(walk: Walk, region: Region, i: int, started: dict) -> bool:
         return False
     if i != region.eqns[-1]:
         return True
-    last = walk.jaxpr.eqns[i]
-    scopes = eqn_scopes(walk.ctx.scopes, last)
-    with _state.updated(scopes=scopes, policy=walk.ctx.policy):
-        outs = region.finish(walk, started[first])
+    outs = region.finish(walk, started[first])
     if outs is None:
         return False
     write(walk.env, walk.jaxpr.eqns[i], outs)
@@ -298,27 +316,38 @@ def _in_region(walk: Walk, region: Region, i: int, started: dict) -> bool:
 
 
 def _run_eqn(eqn: Any, eqn_facts: Any, env: dict, ctx: AmpContext) -> None:
-    """Rewrite (higher-order) or re-bind (rule) one equation with its facts
-    current, reading its inputs from ``env`` and writing its outputs there."""
+    """Rewrite (higher-order) or re-bind (rule) one equation, told about it
+    by the :class:`RuleContext` built here, reading its inputs from ``env``
+    and writing its outputs there."""
     invals = [read(env, v) for v in eqn.invars]
     scopes = eqn_scopes(ctx.scopes, eqn)
-    where = _state.updated(facts=eqn_facts, scopes=scopes, policy=ctx.policy)
-    with where, _compat.eqn_context(eqn):
-        hop = ctx.pipeline.higher_order.get(eqn.primitive.name)
-        if hop is not None:
-            outs = hop(eqn, invals, ctx.inside(scopes, eqn_facts))
-        elif any(True for _ in _compat.sub_jaxprs(eqn.params)):
-            outs = run_unchanged(eqn, invals)
-        else:
-            outs = _apply_rule(eqn, invals, ctx, scopes, eqn_facts)
+    with _compat.eqn_context(eqn):
+        nested = any(True for _ in _compat.sub_jaxprs(eqn.params))
+        params = None if nested else _compat.bind_params(eqn.primitive, eqn.params)
+        original = [v.aval.dtype for v in eqn.invars]
+        rc = rule_context(ctx.compute_dtype, original, eqn_facts, scopes, ctx.policy)
+        outs = _dispatch(eqn, invals, ctx, rc, params)
     write(env, eqn, outs)
+
+
+def _dispatch(eqn: Any, invals: list, ctx: AmpContext, rc: RuleContext, params):
+    """The outputs of ``eqn``: rewritten by its higher-order rule, re-bound by
+    its rule with the bind ``params``, or, with sub-jaxprs and no
+    higher-order rule (``params`` None), bound unchanged."""
+    hop = ctx.pipeline.higher_order.get(eqn.primitive.name)
+    if hop is not None:
+        return hop(eqn, invals, ctx.inside(rc))
+    if params is not None:
+        return _apply_rule(eqn.primitive, params, invals, ctx, rc)
+    return run_unchanged(eqn, invals)
 
 
 def run_unchanged(eqn: Any, invals: list, ctx: AmpContext | None = None) -> Any:
     """Bind the equation as traced, inputs restored to their traced dtypes."""
     del ctx
+    inputs = restore_inputs(eqn, invals)
     params = _compat.bind_params(eqn.primitive, eqn.params)
-    return _compat.bind(eqn.primitive, restore_inputs(eqn, invals), params)
+    return _compat.bind(eqn.primitive, inputs, params)
 
 
 def restore_inputs(eqn: Any, invals: list) -> list:
@@ -374,33 +403,16 @@ def decide(rule: Callable, ctx: RuleContext, *invars: Any, **params: Any) -> Any
     typed = getattr(rule, "decide", None)
     if typed is not None:
         return typed(ctx, *invars, **params)
-    return rule(ctx.compute_dtype, list(ctx.original_dtypes), *invars, **params)
+    # jaxamp 0.0.4's signature; the dtypes carry ctx to a rule it calls.
+    return rule(ctx.compute_dtype, TracedDtypes.of(ctx), *invars, **params)
 
 
-def rule_context(
-    ctx: AmpContext, original: Sequence[Any], scopes: tuple, facts: Any
-) -> RuleContext:
-    """The :class:`RuleContext` of an equation walked under ``ctx``."""
-    return RuleContext(
-        compute_dtype=ctx.compute_dtype,
-        original_dtypes=tuple(original),
-        facts=_facts.UNKNOWN if facts is None else facts,
-        scopes=scopes,
-        policy=ctx.policy,
-        residual_format=current_residual_format(),
-        recomputed=_state.current().recomputed,
-    )
-
-
-def _apply_rule(eqn, invals: list, ctx: AmpContext, scopes: tuple, facts) -> Any:
-    prim = eqn.primitive
-    rule = ctx.policy.lookup(prim, scopes)
-    params = _compat.bind_params(prim, eqn.params)
-    rc = rule_context(ctx, [v.aval.dtype for v in eqn.invars], scopes, facts)
+def _apply_rule(prim, params: dict, invals: list, ctx: AmpContext, rc) -> Any:
+    rule = ctx.policy.lookup(prim, rc.scopes)
     if isinstance(rule, ImplementationRule):  # runs the equation itself
         return rule.decide(rc, *invals, **params)
     pipeline = ctx.pipeline
-    call = RuleCall(prim, rule, params, rc, pipeline.bind)
+    call = RuleCall(prim, rule, params, rc, pipeline.binder(rc))
     if rule is ctx.policy.stop_rule or pipeline.residuals is None:
         return call.apply(*invals)  # amp_stop regions stay as traced
     return pipeline.residuals(call, invals, pipeline.off)

@@ -21,12 +21,13 @@ import numpy as np
 from ... import _compat
 from ..._base._cast import cast
 from ..._base._dtypes import is_float
+from ..._base._scopes import marker
 from ..._policy import _derived_sums
-from ..._policy._compressed import current_residual_format, store_compressed
+from ..._policy._compressed import store_compressed
 from ._intercept import Spec, not_intercepting, unpack
 
 # The named_scope of the equations amp binds for an attention it re-dispatched.
-FUSED_SCOPE = "jaxamp_fused_attention"
+FUSED_SCOPE = marker("jaxamp_fused_attention")
 _FUSED_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
 
@@ -46,6 +47,7 @@ def dispatch(
     local_window_size: tuple[int, int] | None = None,
     requested: str | None = None,
     where: str = "dot_product_attention",
+    residual_format: Any = None,
 ) -> Any:
     """Attention on q/k/v cast to ``compute_dtype``, by the best kernel.
 
@@ -68,6 +70,8 @@ def dispatch(
             JAX's error, on a backend without cuDNN it falls back with a
             warning.
         where: a name for the call in warnings.
+        residual_format: the stored form of the residuals saved here (the
+            equation's ``RuleContext.residual_format``), None for none.
 
     Returns:
         Array of shape ``(B, T, N, Hv)`` in the (cast) dtype of ``v``.
@@ -102,16 +106,15 @@ def dispatch(
             except (NotImplementedError, ValueError, RuntimeError):
                 if force:
                     raise
-        return _bind_xla_storing(q, k, v, bias, mask, kwargs)
+        return _bind_xla_storing(q, k, v, bias, mask, kwargs, residual_format)
 
 
-def _bind_xla_storing(q, k, v, bias, mask, kwargs: dict) -> Any:
-    """:func:`_bind_xla`; with a residual format in force
+def _bind_xla_storing(q, k, v, bias, mask, kwargs: dict, fmt: Any) -> Any:
+    """:func:`_bind_xla`; with a residual format ``fmt``
     (``_policy/_residuals.py``) its backward pass reads v stored in it and q,
     k as they are, and recomputes the logits and softmax (q and k stay exact:
     exp turns an absolute error of a logit into a relative error of a
     probability)."""
-    fmt = current_residual_format()
     if fmt is not None:
         lengths = [kwargs["query_seq_lengths"], kwargs["key_value_seq_lengths"]]
         outs = store_compressed(
@@ -288,9 +291,10 @@ def _merge(x: Any, full: tuple, groups: list[list[int]]) -> Any:
     return x.reshape(tuple(new))
 
 
-def run_hand(pieces: Any, read, compute_dtype, mode, where):
+def run_hand(pieces: Any, read, ctx, mode, where):
     """A matched hand-written attention (matmul, softmax, matmul) re-dispatched
-    to the fused kernel for ``mode``, its output in the matched layout."""
+    to the fused kernel for ``mode``, its output in the matched layout; ``ctx``:
+    the ``RuleContext`` of its last equation."""
     (lb, lc), (rb, rc) = pieces.qdims, pieces.kdims
     q, k, v = read(pieces.q), read(pieces.k), read(pieces.v)
     nb = len(lb)
@@ -343,10 +347,11 @@ def run_hand(pieces: Any, read, compute_dtype, mode, where):
         bthn(vcan, S),
         bias,
         mask,
-        compute_dtype=compute_dtype,
+        compute_dtype=ctx.compute_dtype,
         mode=mode,
         scale=scale,
         where=where,
+        residual_format=ctx.residual_format,
     )
     # (B, T, N, Hv) -> (batch..., q free..., Hv) -> the p·v equation's layout
     out = jnp.transpose(out, (0, 2, 1, 3)).reshape((*logits_shape[:-1], out.shape[-1]))
@@ -357,9 +362,10 @@ def run_hand(pieces: Any, read, compute_dtype, mode, where):
     return jnp.transpose(out, perm)
 
 
-def run_marked(eqn: Any, spec: Spec, read, compute_dtype, mode, where):
+def run_marked(eqn: Any, spec: Spec, read, ctx, mode, where):
     """An intercepted ``jax.nn.dot_product_attention`` call re-dispatched for
-    ``mode``: ``[output]``, or None when its operands are not 4-D (batched)."""
+    ``mode``: ``[output]``, or None when its operands are not 4-D (batched);
+    ``ctx``: the ``RuleContext`` of its equation."""
     vals = [read(v) for v in eqn.invars]
     q, k, v, bias, mask, qs, kvs = unpack(spec, vals)
     if any(getattr(x, "ndim", 0) != 4 for x in (q, k, v)):  # e.g. batched by vmap
@@ -372,12 +378,13 @@ def run_marked(eqn: Any, spec: Spec, read, compute_dtype, mode, where):
         mask,
         qs,
         kvs,
-        compute_dtype=compute_dtype,
+        compute_dtype=ctx.compute_dtype,
         mode=mode,
         scale=spec.scale,
         is_causal=spec.is_causal,
         local_window_size=spec.local_window_size,
         requested=spec.requested,
         where=spec.where,
+        residual_format=ctx.residual_format,
     )
     return [out]

@@ -38,7 +38,7 @@ class _Group:
     """One matched attention: its equations and how to compute its output."""
 
     eqns: tuple[int, ...]  # indices in the jaxpr, sorted
-    run: Any  # run(read, compute_dtype, mode, where) -> output value, or None
+    run: Any  # run(read, rule context, mode, where) -> output value, or None
     marked: Spec | None = None
     scopes: tuple = ((),)  # the distinct named_scope stacks of its equations
 

@@ -56,8 +56,8 @@ def _finish(walk: Walk, token: Any) -> Any:
     with _compat.eqn_context(eqn):
         if mode is None:  # amp_stop: as written, cuDNN too
             return _as_traced(eqn, walk.env)
-        compute_dtype = walk.ctx.compute_dtype
-        return group.run(walk.read, compute_dtype, group.mode(walk.ctx), _where(eqn))
+        rc = walk.context(group.last)
+        return group.run(walk.read, rc, group.mode(walk.ctx), _where(eqn))
 
 
 def _where(eqn: Any) -> str:
