@@ -308,7 +308,7 @@ def fp8_rule(
             DeepSeek-V3 keeps the output head in BF16).
         format: the operands' 8-bit float format, a registered name or dtype
             (default E4M3; gradients in its gradient format, E5M2); its
-            matmuls run inside the scope ``amp_<label>_matmul``.
+            matmuls run inside the scope ``jaxamp_<label>_matmul``.
 
     Returns:
         The rule, to put under the ``"dot_general"`` key of a policy (or use
