@@ -34,7 +34,7 @@ def rel(a, b):
 @pytest.fixture
 def e3m4():
     """The new format, registered the way a user outside jaxamp does it."""
-    fmt = jaxamp.quant.register_format("e3m4", jnp.float8_e3m4)
+    fmt = jaxamp.extend.register_format("e3m4", jnp.float8_e3m4)
     yield fmt
     _formats.unregister_format("e3m4")
     assert _formats.lookup("e3m4") is None and _formats.lookup(E3M4) is None
@@ -134,13 +134,13 @@ def test_a_registered_format_is_named_in_the_three_reports(e3m4):
 
 def test_registration_is_by_value_and_checked(e3m4):
     # The same value again is the registration that exists (a rerun cell).
-    assert jaxamp.quant.register_format("e3m4", jnp.float8_e3m4) is e3m4
+    assert jaxamp.extend.register_format("e3m4", jnp.float8_e3m4) is e3m4
     with pytest.raises(ValueError, match="float8_e3m4 is the dtype of"):
-        jaxamp.quant.register_format("other", jnp.float8_e3m4)
+        jaxamp.extend.register_format("other", jnp.float8_e3m4)
     with pytest.raises(ValueError, match="'fp8' is registered"):
-        jaxamp.quant.register_format("fp8", jnp.float8_e4m3fnuz)
+        jaxamp.extend.register_format("fp8", jnp.float8_e4m3fnuz)
     with pytest.raises(ValueError, match="8-bit dtype"):
-        jaxamp.quant.register_format("half", jnp.float16)
+        jaxamp.extend.register_format("half", jnp.float16)
     with pytest.raises(ValueError, match="no 8-bit float format"):
         jaxamp.fp8_policy(format="int8")
     with pytest.raises(ValueError, match="not a registered 8-bit format.*'e3m4'"):

@@ -183,7 +183,7 @@ def register_format(
 
     Example::
 
-        jaxamp.quant.register_format("e3m4", jnp.float8_e3m4)
+        jaxamp.extend.register_format("e3m4", jnp.float8_e3m4)
         loss8 = jaxamp.amp(loss, compute_dtype=jnp.bfloat16,
                            amp_policy=jaxamp.fp8_policy(format="e3m4"),
                            residual_dtype="e3m4")
@@ -272,7 +272,7 @@ def require(spec: Any, argname: str) -> QFormat:
         names = ", ".join(repr(f.name) for f in registered())
         raise ValueError(
             f"{argname}={spec!r}: not a registered 8-bit format (registered: "
-            f"{names}; jaxamp.quant.register_format adds one)."
+            f"{names}; jaxamp.extend.register_format adds one)."
         )
     return fmt
 

@@ -212,7 +212,7 @@ class ResidualRule:
     Attributes:
         dtype: the dtype of a registered 8-bit format
             (``numpy.dtype(float8_e4m3fn)``, ``float8_e5m2``, ``int8``, or one
-            added by :func:`jaxamp.quant.register_format`; given by name, alias or
+            added by :func:`jaxamp.extend.register_format`; given by name, alias or
             dtype): stored in 8 bits with per-group float32 scales; None:
             stored in the dtype amp computes them in (no compression).
         group_size: values per scale along the last axis; None: the format's

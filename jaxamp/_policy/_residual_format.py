@@ -52,7 +52,7 @@ class Format:
     Attributes:
         dtype: the dtype of a registered 8-bit format (``float8_e4m3fn``,
             ``float8_e5m2``, ``int8``, or one added by
-            ``jaxamp.quant.register_format``).
+            ``jaxamp.extend.register_format``).
         group: values per scale along the last axis.
     """
 
@@ -115,7 +115,7 @@ def parse_dtype(dtype: Any, argname: str) -> np.dtype | None:
         names = ", ".join(repr(f.name) for f in _formats.registered())
         raise ValueError(
             f"{argname}={dtype!r}: residuals are stored in a registered 8-bit "
-            f"format ({names}; jaxamp.quant.register_format adds one), e.g. "
+            f"format ({names}; jaxamp.extend.register_format adds one), e.g. "
             "jnp.float8_e4m3fn or 'int8' (or None: in the dtype amp computes "
             "them in)."
         )

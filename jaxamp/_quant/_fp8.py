@@ -184,7 +184,7 @@ def fp8_dot_general(
         margin: power-of-two headroom of the per-tensor scales.
         power_of_two: round every scale down to a power of two.
         format: the operands' 8-bit float format, a registered name or dtype
-            (:func:`jaxamp.quant.register_format`); the cotangent takes the format's
+            (:func:`jaxamp.extend.register_format`); the cotangent takes the format's
             gradient format (E5M2 for the default E4M3).
 
     Returns:

@@ -1,12 +1,14 @@
-"""8-bit matmuls and formats: FP8 and int8 recipes, their policies, rules and
-products, and the registry of 8-bit formats.
+"""8-bit matmuls: FP8 and int8 recipes, their policies, rules and products.
 
 ``fp8_policy``, ``int8_policy`` and the ready-made ``fp8_amp_policy`` /
-``int8_amp_policy`` are also at the top level.
+``int8_amp_policy`` are also at the top level. The registry of 8-bit formats
+is in :mod:`jaxamp.extend` (served here for one release with a
+``DeprecationWarning``, :data:`_MOVED`).
 """
 
-from .._base._formats import register_format as register_format
-from .._base._formats import unregister_format as unregister_format
+import importlib as _importlib
+import warnings as _warnings
+
 from .._quant._common import min_matmul_size as min_matmul_size
 from .._quant._common import torchao_rowwise_size_rule as torchao_rowwise_size_rule
 from .._quant._common import (
@@ -23,6 +25,25 @@ from .._quant._int8 import int8_policy as int8_policy
 from .._quant._int8 import int8_quantize as int8_quantize
 from .._quant._int8 import int8_rule as int8_rule
 
+# Names served from here for one release: name -> the module that holds it now.
+_MOVED = {
+    "register_format": "jaxamp.extend",
+    "unregister_format": "jaxamp.extend",
+}
+
+
+def __getattr__(name: str):
+    home = _MOVED.get(name)
+    if home is None:
+        raise AttributeError(f"module 'jaxamp.quant' has no attribute {name!r}")
+    _warnings.warn(
+        f"jaxamp.quant.{name} is deprecated: use {home}.{name}.",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return getattr(_importlib.import_module(home), name)
+
+
 __all__ = (
     "fp8_amp_policy",
     "fp8_dot_general",
@@ -35,8 +56,6 @@ __all__ = (
     "int8_rule",
     "min_matmul_size",
     "quantize",
-    "register_format",
     "torchao_rowwise_size_rule",
     "torchao_tensorwise_size_rule",
-    "unregister_format",
 )
