@@ -36,7 +36,7 @@ def e3m4():
     """The new format, registered the way a user outside jaxamp does it."""
     fmt = jaxamp.extend.register_format("e3m4", jnp.float8_e3m4)
     yield fmt
-    _formats.unregister_format("e3m4")
+    jaxamp.extend.unregister_format("e3m4")
     assert _formats.lookup("e3m4") is None and _formats.lookup(E3M4) is None
 
 

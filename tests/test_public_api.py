@@ -12,7 +12,7 @@ import pytest
 
 import jaxamp
 
-NAMESPACES = ("quant", "rules", "tools", "training")
+NAMESPACES = ("extend", "quant", "rules", "tools", "training")
 
 
 def test_all_is_sorted_and_complete():
@@ -137,6 +137,31 @@ def test_moved_name_served_with_a_deprecation_naming_its_home(name):
     with pytest.warns(DeprecationWarning, match=rf"jaxamp\.{home}\.{name}\b"):
         obj = getattr(jaxamp, name)
     assert obj is getattr(importlib.import_module(f"jaxamp.{home}"), name)
+
+
+# Names that moved between namespaces: (old namespace, name) -> new namespace.
+MOVED_BETWEEN = {
+    ("quant", "register_format"): "extend",
+    ("quant", "unregister_format"): "extend",
+    ("rules", "RuleContext"): "extend",
+    ("rules", "register_higher_order"): "extend",
+    ("rules", "unregister_higher_order"): "extend",
+}
+
+
+@pytest.mark.parametrize("old,name", sorted(MOVED_BETWEEN))
+def test_name_moved_between_namespaces_warns_naming_its_home(old, name):
+    home = MOVED_BETWEEN[(old, name)]
+    module = getattr(jaxamp, old)
+    assert name not in module.__all__ and name not in dir(module)
+    with pytest.warns(DeprecationWarning, match=rf"jaxamp\.{home}\.{name}\b"):
+        obj = getattr(module, name)
+    assert obj is getattr(getattr(jaxamp, home), name)
+    assert getattr(jaxamp, old)._MOVED == {
+        n: f"jaxamp.{h}" for (o, n), h in MOVED_BETWEEN.items() if o == old
+    }
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        module.nope  # noqa: B018
 
 
 def test_deprecated_force_full_precision_and_compat_package():
