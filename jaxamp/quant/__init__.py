@@ -19,6 +19,7 @@ from .._quant._fp8 import fp8_dot_general as fp8_dot_general
 from .._quant._fp8 import fp8_policy as fp8_policy
 from .._quant._fp8 import fp8_rule as fp8_rule
 from .._quant._fp8 import quantize as quantize
+from .._quant._int8 import Int8Recipe as Int8Recipe
 from .._quant._int8 import int8_amp_policy as int8_amp_policy
 from .._quant._int8 import int8_dot_general as int8_dot_general
 from .._quant._int8 import int8_policy as int8_policy
@@ -45,6 +46,7 @@ def __getattr__(name: str):
 
 
 __all__ = (
+    "Int8Recipe",
     "fp8_amp_policy",
     "fp8_dot_general",
     "fp8_policy",
