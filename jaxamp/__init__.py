@@ -80,7 +80,7 @@ _MOVED = {
     **_moved(
         "quant",
         """fp8_dot_general fp8_rule int8_dot_general int8_quantize int8_rule
-        min_matmul_size quantize torchao_rowwise_size_rule
+        min_matmul_size torchao_rowwise_size_rule
         torchao_tensorwise_size_rule""",
     ),
     **_moved("extend", "register_format register_higher_order"),
@@ -112,6 +112,11 @@ _MOVED = {
 }
 
 
+# Names served from the top level for one release under a new name:
+# name -> its spelling now.
+_RENAMED = {"quantize": "jaxamp.quant.fp8_quantize"}
+
+
 def __getattr__(name: str):
     if name == "force_full_precision":  # float32 outputs; mpx's are float16
         _warnings.warn(
@@ -124,6 +129,14 @@ def __getattr__(name: str):
         return _importlib.import_module("jaxamp.migration._mpx").force_full_precision
     if name == "compat":  # the deprecated package of jaxamp.migration's names
         return _importlib.import_module("jaxamp.compat")
+    if name in _RENAMED:
+        _warnings.warn(
+            f"jaxamp.{name} is deprecated: use {_RENAMED[name]}.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        home, attr = _RENAMED[name].rsplit(".", 1)
+        return getattr(_importlib.import_module(home), attr)
     home = _MOVED.get(name)
     if home is None:
         raise AttributeError(f"module 'jaxamp' has no attribute {name!r}")

@@ -201,7 +201,7 @@ def test_quantize_dequantize_round_trip(group, scale_shape, fmt, form):
 def test_one_scale_cap_and_special_groups():
     tiny = jnp.full((4, 8), 1e-37, F32)  # bound / amax overflows float32
     _, s8 = jaxamp.quant.int8_quantize(tiny)
-    _, sf = jaxamp.quant.quantize(tiny, jnp.float8_e4m3fn)
+    _, sf = jaxamp.quant.fp8_quantize(tiny, jnp.float8_e4m3fn)
     assert float(s8.reshape(())) == float(sf) == 2.0**126 == float(_codec.MAX_SCALE)
     bad = jnp.ones((2, 64)).at[0, 3].set(jnp.inf)
     pass_, nan_ = (
@@ -210,7 +210,7 @@ def test_one_scale_cap_and_special_groups():
     assert np.asarray(quantize(bad, pass_)[1]).ravel().tolist() == [1.0, 127.0]
     assert np.isnan(np.asarray(quantize(bad, nan_)[1])[0, 0])
     # FP8 operands: a non-finite tensor passes unscaled, inf reaching the codes.
-    q, s = jaxamp.quant.quantize(bad, jnp.float8_e5m2)
+    q, s = jaxamp.quant.fp8_quantize(bad, jnp.float8_e5m2)
     assert float(s) == 1.0 and np.isinf(np.asarray(q, F32)[0, 3])
     # A stored step of a zero group: 1 ("pass") or 0 as computed ("nan").
     zero = jnp.zeros((1, 64))

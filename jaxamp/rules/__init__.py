@@ -32,24 +32,25 @@ from .._policy._rules import use_widest_precision as use_widest_precision
 from .._rewrites._attention import AttentionRule as AttentionRule
 from .._rewrites._attention import attention_rule as attention_rule
 
-# Names served from here for one release: name -> the module that holds it now.
+# Names served from here for one release: name -> its spelling now.
 _MOVED = {
-    "RuleContext": "jaxamp.extend",
-    "register_higher_order": "jaxamp.extend",
-    "unregister_higher_order": "jaxamp.extend",
+    "RuleContext": "jaxamp.extend.RuleContext",
+    "register_higher_order": "jaxamp.extend.register_higher_order",
+    "unregister_higher_order": "jaxamp.extend.unregister_higher_order",
 }
 
 
 def __getattr__(name: str):
-    home = _MOVED.get(name)
-    if home is None:
+    new = _MOVED.get(name)
+    if new is None:
         raise AttributeError(f"module 'jaxamp.rules' has no attribute {name!r}")
     _warnings.warn(
-        f"jaxamp.rules.{name} is deprecated: use {home}.{name}.",
+        f"jaxamp.rules.{name} is deprecated: use {new}.",
         DeprecationWarning,
         stacklevel=2,
     )
-    return getattr(_importlib.import_module(home), name)
+    home, attr = new.rsplit(".", 1)
+    return getattr(_importlib.import_module(home), attr)
 
 
 __all__ = (
