@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 
 from .._base import _state
+from .._base._codec import Recipe
 from .._values._facts import UNKNOWN, EqnFacts, current_facts
 from ._compressed import current_residual_format
-from ._residual_format import Format
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,9 +40,10 @@ class RuleContext:
         scopes: the ``named_scope`` components of the equation, outermost
             first (with the enclosing equations' prefix).
         policy: the policy in force (an ``AmpPolicy``), None outside a walk.
-        residual_format: the stored form of the residuals saved here (a
-            ``_residual_format.Format``), None where they are kept in the dtype they
-            are computed in.
+        residual_format: the stored form of the residuals saved here (the
+            codec's ``Recipe``: format, groups, scale form; ``.dtype`` the
+            codes' dtype), None where they are kept in the dtype they are
+            computed in.
         recomputed: the equation is inside a user's ``jax.checkpoint`` body,
             whose residuals the backward pass recomputes.
     """
@@ -52,7 +53,7 @@ class RuleContext:
     facts: EqnFacts | None = None
     scopes: tuple[str, ...] = ()
     policy: Any = None
-    residual_format: Format | None = None
+    residual_format: Recipe | None = None
     recomputed: bool = False
 
     def __post_init__(self):

@@ -23,12 +23,14 @@ a :class:`ScopePolicy`. The types follow qwix's rule dataclasses
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from .._base import _formats
+from .._base._codec import Recipe
 from ._context import RuleContext, from_walk
-from ._residual_format import Format, parse_dtype
+from ._residual_format import parse_dtype, residual_recipe
 
 ATTENTION_KEY = "attention"
 RESIDUALS_KEY = "residuals"
@@ -238,12 +240,24 @@ class ResidualRule:
             )
 
     @property
-    def format(self) -> Format | None:
-        """The stored form (``_residual_format.Format``), None for no compression."""
+    def recipe(self) -> Recipe | None:
+        """The codec's recipe of the stored residuals (``_base/_codec.Recipe``:
+        the format, 1 x G groups along the last axis, a step scale), None for
+        no compression."""
         if self.dtype is None:
             return None
-        default = _formats.require(self.dtype, "residual_rule(dtype)").group
-        return Format(self.dtype, self.group_size or default)
+        return residual_recipe(self.dtype, self.group_size)
+
+    @property
+    def format(self) -> Recipe | None:
+        """Deprecated spelling of :attr:`recipe`."""
+        warnings.warn(
+            "ResidualRule.format is deprecated: use ResidualRule.recipe (the "
+            "codec's Recipe).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.recipe
 
     def __repr__(self) -> str:
         name = None if self.dtype is None else _formats.name_of(self.dtype)
