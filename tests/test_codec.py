@@ -108,7 +108,7 @@ def test_a_registered_format_stores_residuals(e3m4):
     assert (
         repr(jaxamp.residual_rule("e3m4")) == "residual_rule('e3m4', group_size=None)"
     )
-    assert jaxamp.residual_rule("E3M4").format.group == e3m4.group == 128
+    assert jaxamp.residual_rule("E3M4").recipe.group.size == e3m4.group == 128
 
 
 def test_a_registered_format_is_named_in_the_three_reports(e3m4):
