@@ -95,7 +95,7 @@ class CastRule:
     @classmethod
     def with_context(cls, fn: Callable[..., Any]) -> Any:
         """A rule called as ``fn(ctx, *invars, **params)`` with one
-        :class:`jaxamp._policy._context.RuleContext` (compute dtype, traced
+        :class:`jaxamp.extend.RuleContext` (compute dtype, traced
         dtypes, value facts, scopes, policy, residual format). Usable as a
         decorator."""
         return cls(fn, context=True)
