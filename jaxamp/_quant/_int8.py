@@ -173,6 +173,18 @@ class Int8Recipe:
         policy = jaxamp.int8_policy(recipe=recipe)
         # the same policy: jaxamp.int8_policy(wgrad=True, size_rule=None)
 
+    Attributes:
+        granularity: ``"rowwise"`` or ``"tensorwise"`` scales.
+        forward: quantize the forward product.
+        dgrad: quantize the input-gradient product.
+        wgrad: quantize the weight-gradient product.
+        stochastic_rounding: round the gradient operand stochastically.
+        key: a typed PRNG key mixed into the rounding noise, or None.
+        weight: which operand is the weight: ``"auto"``, ``"lhs"``, ``"rhs"``.
+        size_rule: ``(m, k, n) -> bool``, which matmuls the rule quantizes;
+            None: every one.
+        quantize_last_matmul: quantize a product that feeds the loss.
+
     Raises:
         ValueError: for an unknown ``granularity`` or ``weight``.
         TypeError: for a switch that is not a bool, a ``size_rule`` that is
