@@ -9,8 +9,10 @@ integration complete the training story.
 The top level holds what a training script calls; the rest is grouped:
 :mod:`jaxamp.rules` (rules and policy values), :mod:`jaxamp.quant` (8-bit
 matmuls and formats), :mod:`jaxamp.training` (loss scaling, optimizer state),
-:mod:`jaxamp.tools` (reports and counters) and :mod:`jaxamp.migration` (jmp's,
-mpx's and Haliax's names). A name that moved there from the top level is
+:mod:`jaxamp.tools` (reports and counters), :mod:`jaxamp.extend` (the
+registries of higher-order primitives and 8-bit formats, and the types they
+take: the extension API) and :mod:`jaxamp.migration` (jmp's, mpx's and
+Haliax's names). A name that moved there from the top level is
 served from here for one release with a ``DeprecationWarning`` naming its new
 place (:data:`_MOVED`).
 """
@@ -24,6 +26,7 @@ from . import (
     _compat,
     _walk,  # noqa: F401
 )
+from . import extend as extend
 from . import migration as migration
 from . import quant as quant
 from . import rules as rules
@@ -38,7 +41,6 @@ from .quant import int8_policy as int8_policy
 from .rules import ScopePolicy as ScopePolicy
 from .rules import attention_rule as attention_rule
 from .rules import default_amp_policy as default_amp_policy
-from .rules import register_higher_order as register_higher_order
 from .rules import residual_rule as residual_rule
 from .rules import use_compute_precision as use_compute_precision
 from .rules import use_full_precision as use_full_precision
@@ -78,9 +80,10 @@ _MOVED = {
     **_moved(
         "quant",
         """fp8_dot_general fp8_rule int8_dot_general int8_quantize int8_rule
-        min_matmul_size quantize register_format torchao_rowwise_size_rule
+        min_matmul_size torchao_rowwise_size_rule
         torchao_tensorwise_size_rule""",
     ),
+    **_moved("extend", "register_format register_higher_order"),
     **_moved(
         "training",
         "LowPrecisionState SkipNonFiniteState dynamic_scale_grad dynamic_scale_tx "
@@ -109,6 +112,11 @@ _MOVED = {
 }
 
 
+# Names served from the top level for one release under a new name:
+# name -> its spelling now.
+_RENAMED = {"quantize": "jaxamp.quant.fp8_quantize"}
+
+
 def __getattr__(name: str):
     if name == "force_full_precision":  # float32 outputs; mpx's are float16
         _warnings.warn(
@@ -121,6 +129,14 @@ def __getattr__(name: str):
         return _importlib.import_module("jaxamp.migration._mpx").force_full_precision
     if name == "compat":  # the deprecated package of jaxamp.migration's names
         return _importlib.import_module("jaxamp.compat")
+    if name in _RENAMED:
+        _warnings.warn(
+            f"jaxamp.{name} is deprecated: use {_RENAMED[name]}.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        home, attr = _RENAMED[name].rsplit(".", 1)
+        return getattr(_importlib.import_module(home), attr)
     home = _MOVED.get(name)
     if home is None:
         raise AttributeError(f"module 'jaxamp' has no attribute {name!r}")
@@ -142,6 +158,7 @@ __all__ = (
     "attention_rule",
     "default_amp_policy",
     "dynamic_scale_value_and_grad",
+    "extend",
     "find_overflows",
     "fp8_amp_policy",
     "fp8_policy",
@@ -154,7 +171,6 @@ __all__ = (
     "precision_report",
     "quant",
     "quantization_report",
-    "register_higher_order",
     "residual_rule",
     "rules",
     "saved_residual_bytes",

@@ -29,7 +29,7 @@ def _docstring(name: str) -> str:
     return "" if doc is None else doc.value.strip()
 
 
-NAMESPACES = ("quant", "rules", "tools", "training")
+NAMESPACES = ("extend", "quant", "rules", "tools", "training")
 
 
 def test_every_public_name_is_in_the_api_reference():

@@ -35,9 +35,9 @@ def matmul_error_bound(a, b, fmt_a=E4M3, fmt_b=E4M3, scale_a=None, scale_b=None)
     """Elementwise bound on |fp8(a) @ fp8(b) - a @ b| (module docstring), in
     float64 numpy."""
     if scale_a is None:
-        scale_a = jaxamp.quant.quantize(a, fmt_a)[1]
+        scale_a = jaxamp.quant.fp8_quantize(a, fmt_a)[1]
     if scale_b is None:
-        scale_b = jaxamp.quant.quantize(b, fmt_b)[1]
+        scale_b = jaxamp.quant.fp8_quantize(b, fmt_b)[1]
     ua, ub = U[fmt_a], U[fmt_b]
     da = HALF_SUBNORMAL[fmt_a] / float(scale_a)
     db = HALF_SUBNORMAL[fmt_b] / float(scale_b)
@@ -89,9 +89,9 @@ def test_power_of_two_scales_are_exact_on_scaled_representable_inputs():
     # the power-of-two scale 2**20 maps the values onto E4M3 exactly.
     x = representable(jax.random.key(9), (8, 32), 320.0) * 2.0**-20
     w = representable(jax.random.key(10), (32, 16), 320.0)
-    q, s = jaxamp.quant.quantize(x, E4M3, power_of_two=True)
+    q, s = jaxamp.quant.fp8_quantize(x, E4M3, power_of_two=True)
     assert float(s) == 2.0**20
-    _, s_plain = jaxamp.quant.quantize(x, E4M3)
+    _, s_plain = jaxamp.quant.fp8_quantize(x, E4M3)
     assert float(s) <= float(s_plain) < 2 * float(s)
     ref = f64(x) @ f64(w)
     tol = 32 * 2.0**-24 * (np.abs(f64(x)) @ np.abs(f64(w)))
@@ -131,15 +131,15 @@ def test_tiny_scales_neither_overflow_nor_vanish(sx, sw):
 
 def test_quantize_scales_to_the_format_maximum():
     x = jnp.array([[-2.0, 0.5], [1.0, 0.25]])
-    q, s = jaxamp.quant.quantize(x, E4M3)
+    q, s = jaxamp.quant.fp8_quantize(x, E4M3)
     assert q.dtype == E4M3 and float(s) == 448.0 / 2.0
     assert float(jnp.abs(q.astype(F32)).max()) == 448.0
-    q1, s1 = jaxamp.quant.quantize(x, E4M3, margin=1)
+    q1, s1 = jaxamp.quant.fp8_quantize(x, E4M3, margin=1)
     assert float(s1) == float(s) / 2
     assert float(jnp.abs(q1.astype(F32)).max()) == 224.0
-    q5, s5 = jaxamp.quant.quantize(x, E5M2)
+    q5, s5 = jaxamp.quant.fp8_quantize(x, E5M2)
     assert q5.dtype == E5M2 and float(s5) == 57344.0 / 2.0
-    _, s0 = jaxamp.quant.quantize(jnp.zeros(3), E4M3)
+    _, s0 = jaxamp.quant.fp8_quantize(jnp.zeros(3), E4M3)
     assert float(s0) == 1.0
 
 
@@ -151,7 +151,10 @@ def test_gradients_are_fp8_products_within_their_bound():
     dx, dw = vjp(g)
     assert out.dtype == F32 and dx.dtype == F32 and dw.dtype == F32
     # dx = g @ w.T (E5M2 x E4M3), dw = x.T @ g (E4M3 x E5M2).
-    sx, sw = jaxamp.quant.quantize(x, E4M3)[1], jaxamp.quant.quantize(w, E4M3)[1]
+    sx, sw = (
+        jaxamp.quant.fp8_quantize(x, E4M3)[1],
+        jaxamp.quant.fp8_quantize(w, E4M3)[1],
+    )
     err_dx = np.abs(f64(dx) - f64(g) @ f64(w).T)
     err_dw = np.abs(f64(dw) - f64(x).T @ f64(g))
     assert np.all(err_dx <= matmul_error_bound(g, w.T, E5M2, E4M3, None, sw))
@@ -342,7 +345,7 @@ def test_fp8_policy_rejects_a_bare_string():
 
 def test_quantize_rejects_a_dtype_that_is_not_8_bit():
     with pytest.raises(ValueError, match="dtype must be an 8-bit float"):
-        jaxamp.quant.quantize(jnp.ones(3), jnp.float16)
+        jaxamp.quant.fp8_quantize(jnp.ones(3), jnp.float16)
 
 
 def test_fp8_policy_equals_the_preset():
@@ -390,8 +393,8 @@ def test_fp8_rule_options(margin, power_of_two):
     params = dict(dimension_numbers=DN, precision=None, preferred_element_type=F32)
     out = rule(F32, [F32, F32], x, w, **params)
     assert out.dtype == F32
-    sx = jaxamp.quant.quantize(x, E4M3, margin, power_of_two)[1]
-    sw = jaxamp.quant.quantize(w, E4M3, margin, power_of_two)[1]
+    sx = jaxamp.quant.fp8_quantize(x, E4M3, margin, power_of_two)[1]
+    sw = jaxamp.quant.fp8_quantize(w, E4M3, margin, power_of_two)[1]
     assert float(sx) * float(jnp.abs(x).max()) <= 448.0 / 2**margin * (1 + 1e-6)
     bound = matmul_error_bound(x, w, scale_a=sx, scale_b=sw)
     assert np.all(np.abs(f64(out) - f64(x) @ f64(w)) <= bound)

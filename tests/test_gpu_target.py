@@ -359,7 +359,7 @@ def scan_grad(residual_dtype):
     # stored: the stacked [L, B, D] activations the forward loop saves. Without
     # compression: 5 bf16 with XLA 0.10 and 0.11, 4 with XLA 0.12 (its
     # optimised HLO keeps one stack fewer in the loop). FP8 keeps products' inputs in
-    # bf16 (_residual_format.Format.stores_products) and stores gelu's input in
+    # bf16 (QFormat.stores_products) and stores gelu's input in
     # E4M3; int8 stores both.
     [(None, {"bf16": 5 if _compat.JAX_VERSION < (0, 12) else 4})]
     + [(jnp.float8_e4m3fn, {"bf16": 1, "f8e4m3fn": 1})]

@@ -279,7 +279,7 @@ def test_jitted_layer_is_rewritten_once(monkeypatch):
 
 def test_register_higher_order_adds_a_rule():
     prim = _unknown_hop()
-    jaxamp.register_higher_order(prim.name)(_higher_order.rewrite_subjaxprs)
+    jaxamp.extend.register_higher_order(prim.name)(_higher_order.rewrite_subjaxprs)
     try:
         inner = jax.make_jaxpr(lambda a, b: a @ b)(X, W)
         f = lambda w, x: prim.bind(x, w, jaxpr=inner)[0].sum()
@@ -291,9 +291,9 @@ def test_register_higher_order_adds_a_rule():
 
 def test_register_higher_order_takes_names():
     with pytest.raises(TypeError, match="give primitive names as strings"):
-        jaxamp.register_higher_order(_unknown_hop())
+        jaxamp.extend.register_higher_order(_unknown_hop())
     with pytest.raises(TypeError, match="give primitive names as strings"):
-        jaxamp.register_higher_order()
+        jaxamp.extend.register_higher_order()
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=())
@@ -981,7 +981,7 @@ TOY = _toy_call()
 @pytest.fixture
 def toy_registered():
     """The toy's one registration: its rewrite rule and its description."""
-    jaxamp.register_higher_order(TOY.name, describe=_higher_order.describe_call)(
+    jaxamp.extend.register_higher_order(TOY.name, describe=_higher_order.describe_call)(
         _higher_order.rewrite_subjaxprs
     )
     yield TOY
@@ -991,7 +991,7 @@ def toy_registered():
 @pytest.fixture
 def toy_rule_only():
     """The toy with a rewrite rule but no description (opaque to the passes)."""
-    jaxamp.register_higher_order(TOY.name)(_higher_order.rewrite_subjaxprs)
+    jaxamp.extend.register_higher_order(TOY.name)(_higher_order.rewrite_subjaxprs)
     yield TOY
     _higher_order.unregister_higher_order(TOY.name)
 
@@ -1082,9 +1082,9 @@ def test_flops_are_counted_inside_the_toy_primitive(toy_registered):
 
 def test_register_higher_order_checks_its_description():
     with pytest.raises(TypeError, match=r"register_higher_order\(describe=...\)"):
-        jaxamp.register_higher_order("my_call", describe="call")
+        jaxamp.extend.register_higher_order("my_call", describe="call")
     with pytest.raises(TypeError, match=r"register_higher_order\(run=...\)"):
-        jaxamp.register_higher_order("my_call", run=1)
+        jaxamp.extend.register_higher_order("my_call", run=1)
 
 
 def test_the_loop_carry_rule_is_registered_with_the_loop():
@@ -1145,7 +1145,7 @@ def _region_rule(eqn, invals, ctx):
 @pytest.fixture
 def region():
     """The region primitive's one registration, removed afterwards."""
-    jaxamp.register_higher_order(
+    jaxamp.extend.register_higher_order(
         REGION.name,
         describe=functools.partial(_structure.describe_call, dtypes_flow=True),
         default_rule=jaxamp.use_compute_precision,
@@ -1201,7 +1201,7 @@ def test_reports_see_through_a_registered_region(region):
 
 
 def test_a_region_without_description_is_one_site_of_the_precision_report():
-    jaxamp.register_higher_order(REGION.name)(_region_rule)
+    jaxamp.extend.register_higher_order(REGION.name)(_region_rule)
     try:
         precision = jaxamp.precision_report(_region_loss, RP, XA, compute_dtype=BF16)
     finally:
@@ -1257,7 +1257,7 @@ def test_unregistering_leaves_no_trace(region):
         with pytest.raises(ValueError, match="no registration of"):
             _higher_order.unregister_higher_order(REGION.name)
     finally:  # the fixture removes it once more
-        jaxamp.register_higher_order(REGION.name)(_region_rule)
+        jaxamp.extend.register_higher_order(REGION.name)(_region_rule)
 
 
 def test_registering_a_builtin_again_is_undone_by_unregistering():
@@ -1268,7 +1268,7 @@ def test_registering_a_builtin_again_is_undone_by_unregistering():
         log.append(eqn.primitive.name)
         return builtin.rule(eqn, invals, ctx)
 
-    jaxamp.register_higher_order("scan")(logged)
+    jaxamp.extend.register_higher_order("scan")(logged)
     try:
         entry = _structure.registered("scan")
         # A registration without a description keeps the replaced one's.

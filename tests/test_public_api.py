@@ -12,7 +12,7 @@ import pytest
 
 import jaxamp
 
-NAMESPACES = ("quant", "rules", "tools", "training")
+NAMESPACES = ("extend", "quant", "rules", "tools", "training")
 
 
 def test_all_is_sorted_and_complete():
@@ -137,6 +137,41 @@ def test_moved_name_served_with_a_deprecation_naming_its_home(name):
     with pytest.warns(DeprecationWarning, match=rf"jaxamp\.{home}\.{name}\b"):
         obj = getattr(jaxamp, name)
     assert obj is getattr(importlib.import_module(f"jaxamp.{home}"), name)
+
+
+# Names that moved between namespaces or were renamed:
+# (old namespace, name) -> (new namespace, new name).
+MOVED_BETWEEN = {
+    ("quant", "quantize"): ("quant", "fp8_quantize"),
+    ("quant", "register_format"): ("extend", "register_format"),
+    ("quant", "unregister_format"): ("extend", "unregister_format"),
+    ("rules", "RuleContext"): ("extend", "RuleContext"),
+    ("rules", "register_higher_order"): ("extend", "register_higher_order"),
+    ("rules", "unregister_higher_order"): ("extend", "unregister_higher_order"),
+    ("", "quantize"): ("quant", "fp8_quantize"),
+}
+
+
+@pytest.mark.parametrize("old,name", sorted(MOVED_BETWEEN))
+def test_moved_or_renamed_name_warns_naming_its_new_spelling(old, name):
+    home, new = MOVED_BETWEEN[(old, name)]
+    module = getattr(jaxamp, old) if old else jaxamp
+    assert name not in module.__all__ and name not in dir(module)
+    with pytest.warns(DeprecationWarning, match=rf"jaxamp\.{home}\.{new}\b"):
+        obj = getattr(module, name)
+    assert obj is getattr(getattr(jaxamp, home), new)
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        module.nope  # noqa: B018
+
+
+def test_deprecation_tables_list_the_moved_names():
+    for ns in ("quant", "rules"):
+        assert getattr(jaxamp, ns)._MOVED == {
+            n: f"jaxamp.{h}.{new}"
+            for (o, n), (h, new) in MOVED_BETWEEN.items()
+            if o == ns
+        }
+    assert jaxamp._RENAMED == {"quantize": "jaxamp.quant.fp8_quantize"}
 
 
 def test_deprecated_force_full_precision_and_compat_package():

@@ -17,13 +17,19 @@ from jax.ad_checkpoint import checkpoint_name
 
 import jaxamp
 from jaxamp import _compat
+from jaxamp._base._codec import LastAxisGroups
 from jaxamp._policy._checkpoint import (
     AS_IS,
     EXACT_INPUT,
     STORED_DERIVATIVE,
     STORED_PRODUCT,
 )
-from jaxamp._policy._residual_format import Format, compressible, decode, encode
+from jaxamp._policy._residual_format import (
+    compressible,
+    decode,
+    encode,
+    residual_recipe,
+)
 from tests.helpers import TINY_CHARLM, rel_l2, round_bf16
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -55,7 +61,7 @@ def _saved(fn, *args):
 def test_encode_decode_roundtrip_under_jit(dtype, group, bound):
     spread = jnp.exp(jax.random.normal(K[1], (4, 6, 1)))
     x = jax.random.normal(K[0], (4, 6, 256)) * spread
-    fmt = Format(np.dtype(dtype), group)
+    fmt = residual_recipe(dtype, group)
     q, scale = jax.jit(lambda x: encode(x, fmt))(x)
     assert q.dtype == np.dtype(dtype) and q.shape == x.shape
     assert scale.dtype == np.float32 and scale.shape == (4, 6, 256 // group)
@@ -69,11 +75,11 @@ def test_encode_decode_roundtrip_under_jit(dtype, group, bound):
         assert (err[normal] <= bound * np.abs(np.asarray(x))[normal] * 1.0001).all()
     # Each group's largest magnitude is stored at the format's bound.
     peak = np.abs(np.asarray(q, np.float32)).reshape(4, 6, -1, group).max(-1)
-    np.testing.assert_allclose(peak, fmt.bound)
+    np.testing.assert_allclose(peak, fmt.format.bound)
 
 
 def test_short_and_odd_last_axes():
-    fmt = Format(np.dtype(E4M3), 128)
+    fmt = residual_recipe(E4M3, 128)
     # 200 = one group of 128 and one of 72; 40 (<= 128) is one group per row.
     for length, groups in ((200, 2), (40, 1), (128, 1), (257, 3)):
         x = jax.random.normal(K[2], (3, length))
@@ -93,7 +99,7 @@ def test_short_and_odd_last_axes():
 
 
 def test_nonfinite_group_decodes_to_nan():
-    fmt = Format(np.dtype(E4M3), 32)
+    fmt = residual_recipe(E4M3, 32)
     x = jnp.ones((2, 64)).at[0, 3].set(jnp.inf)
     back = decode(*encode(x, fmt), fmt, jnp.float32)
     assert np.isnan(np.asarray(back[0, :32])).all()
@@ -200,7 +206,7 @@ def test_scan_and_checkpoint_save_8_bit(remat):
     f32 = jaxamp.saved_residual_bytes(loss, ws, x)
     # Every saved activation is a product's input, the checkpoint's input h
     # too (h @ w in the recomputed block): int8 stores them, FP8 too, in its
-    # product form (Format.product_form).
+    # product form (_residual_format.product_form).
     f = jaxamp.amp(loss, compute_dtype=BF16, residual_dtype="int8")
     saved = _saved(f, ws, x)
     stacked = [a for a, _ in saved if a.shape[:1] == (3,) and np.prod(a.shape) > 3 * 64]
@@ -645,10 +651,15 @@ def test_compress_only_one_scope():
 def test_residual_rule_values():
     rule = jaxamp.residual_rule(E4M3)
     assert rule == jaxamp.rules.ResidualRule(np.dtype(E4M3))
-    assert rule.format == Format(np.dtype(E4M3), 128)
-    assert jaxamp.residual_rule("int8").format.group == 32
-    assert jaxamp.residual_rule("fp8", group_size=64).format.group == 64
-    assert jaxamp.residual_rule(None).format is None
+    # The rule hands the codec its recipe: the format, 1 x G groups, a step.
+    assert rule.recipe == residual_recipe(E4M3, 128)
+    assert rule.recipe.group == LastAxisGroups(128) and rule.recipe.dtype == E4M3
+    assert rule.recipe.scale_form == "step"
+    assert jaxamp.residual_rule("int8").recipe.group.size == 32
+    assert jaxamp.residual_rule("fp8", group_size=64).recipe.group.size == 64
+    assert jaxamp.residual_rule(None).recipe is None
+    with pytest.warns(DeprecationWarning, match=r"ResidualRule\.recipe"):
+        assert rule.format == rule.recipe
 
 
 def test_bad_input():

@@ -260,6 +260,11 @@ class Recipe:
         if self.power_of_two and self.scale_form != "multiplier":
             raise ValueError("Recipe(power_of_two=True): a multiplier's option.")
 
+    @property
+    def dtype(self) -> np.dtype:
+        """The dtype of the codes: the format's 8-bit dtype."""
+        return self.format.dtype
+
 
 def _multiplier(amax: jax.Array, bound: np.float32, recipe: Recipe) -> tuple:
     """``(stored scale, multiplier)`` of each group."""

@@ -11,7 +11,7 @@ value, as qwix's qtypes are).
 
 Lookups read the registry when they run, so a format registered after
 ``import jaxamp`` is seen by ``amp(residual_dtype=...)``,
-``fp8_policy(format=...)``, the scope marker ``amp_<label>_matmul`` around its
+``fp8_policy(format=...)``, the scope marker ``jaxamp_<label>_matmul`` around its
 matmuls and the labels of ``quantization_report``, ``memory_report`` and
 ``precision_report``.
 
@@ -45,7 +45,7 @@ class QFormat:
             constructed: the dtype's largest finite value (127 for int8:
             symmetric, -128 unused).
         label: what ``quantization_report`` prints for a product in this
-            format, and the scope marker ``amp_<label>_matmul`` put around its
+            format, and the scope marker ``jaxamp_<label>_matmul`` put around its
             matmuls; None when constructed: ``name``.
         group: values per float32 scale along the last axis of a stored
             residual.
@@ -180,13 +180,13 @@ def register_format(
     ``jaxamp.amp(..., residual_dtype=name)``, as ``jaxamp.residual_rule(name)``
     and, for a float dtype, as ``jaxamp.fp8_policy(format=name)`` (per-tensor
     current scaling, the FP8 recipe); its matmuls run inside the scope
-    ``amp_<label>_matmul``, and ``quantization_report``, ``memory_report`` and
+    ``jaxamp_<label>_matmul``, and ``quantization_report``, ``memory_report`` and
     ``precision_report`` print its name (its label in
     ``quantization_report``).
 
     Example::
 
-        jaxamp.quant.register_format("e3m4", jnp.float8_e3m4)
+        jaxamp.extend.register_format("e3m4", jnp.float8_e3m4)
         loss8 = jaxamp.amp(loss, compute_dtype=jnp.bfloat16,
                            amp_policy=jaxamp.fp8_policy(format="e3m4"),
                            residual_dtype="e3m4")
@@ -275,7 +275,7 @@ def require(spec: Any, argname: str) -> QFormat:
         names = ", ".join(repr(f.name) for f in registered())
         raise ValueError(
             f"{argname}={spec!r}: not a registered 8-bit format (registered: "
-            f"{names}; jaxamp.quant.register_format adds one)."
+            f"{names}; jaxamp.extend.register_format adds one)."
         )
     return fmt
 

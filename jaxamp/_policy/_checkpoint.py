@@ -5,12 +5,12 @@ A checkpoint saves its inputs and, under a policy
 body the policy names; the backward pass recomputes the rest from them. With
 a residual format in force, :func:`store_checkpoint` binds the (rewritten)
 body as a ``jax.custom_vjp`` that saves each such value by what reads it in
-the recomputed block: int8 stores every one; FP8 (``Format.stores_products``
+the recomputed block: int8 stores every one; FP8 (``QFormat.stores_products``
 False) stores in FP8 only the values that, in the recomputed block, reach no
 product's operand through elementwise chains, normalisations or data
 movement, and that no elementwise derivative reads (``_values/_operands.py``:
 a weight gradient ``x^T g`` inherits a stored ``x``'s error undamped). The others are
-stored in :attr:`Format.product_form` (int8 in 1 x 32 groups, 0.5% rms error per
+stored in its :func:`product_form` (int8 in 1 x 32 groups, 0.5% rms error per
 value, for ``residual_dtype`` FP8): outside a checkpoint the product keeps
 its own input in the compute dtype, but here that input is recomputed from
 the saved value, whose compute-dtype copy would be as large as the input and
@@ -45,6 +45,7 @@ from jax.extend import core as jex_core
 from .. import _compat
 from .._base import _state
 from .._base._cast import cast_cache
+from .._base._codec import Recipe
 from .._base._dtypes import is_float
 from .._base._jaxpr import bind_eqn, read
 from .._base._structure import describe
@@ -57,7 +58,7 @@ from ._compressed import (
     partial_vjp,
     weight_source_of,
 )
-from ._residual_format import Format, compressible_aval, encode
+from ._residual_format import compressible_aval, encode, product_form
 
 # The rule that decided a saved value's stored form (memory_report shows it).
 STORED_PRODUCT = "reaches a product: int8"
@@ -208,19 +209,19 @@ def _reads(traced: Any, n_out: int, floats: list[bool]) -> tuple[list, list]:
     return used[:n], used[n : n + m]
 
 
-def _choose(x: Any, bits: int, fmt: Format) -> tuple[Any, str]:
+def _choose(x: Any, bits: int, fmt: Recipe) -> tuple[Any, str]:
     """``(how, rule)`` for a saved value ``x`` with ``bits``
-    (``_values/_operands.py``): ``how`` is a :class:`Format` (stored in it:
-    ``fmt``, or its :attr:`Format.product_form` for a value a product's input
-    is recomputed from or an elementwise derivative reads) or ``"raw"``."""
+    (``_values/_operands.py``): ``how`` is a :class:`Recipe` (stored by it:
+    ``fmt``, or its :func:`product_form` for a value a product's input is
+    recomputed from or an elementwise derivative reads) or ``"raw"``."""
     if not compressible_aval(x):
         return "raw", AS_IS
     if bits & EXACT:
         return "raw", EXACT_INPUT
     if bits & PRODUCT:
-        return fmt.product_form, STORED_PRODUCT
+        return product_form(fmt), STORED_PRODUCT
     if bits & DERIVATIVE:
-        return fmt.product_form, STORED_DERIVATIVE
+        return product_form(fmt), STORED_DERIVATIVE
     return fmt, STORED
 
 
@@ -231,7 +232,7 @@ def _name(eqn: Any) -> str:
 
 
 def store_checkpoint(
-    eqn: Any, body: Any, invals: list, fmt: Format, scopes: tuple[str, ...]
+    eqn: Any, body: Any, invals: list, fmt: Recipe, scopes: tuple[str, ...]
 ) -> Any:
     """The checkpoint ``eqn`` (scope components ``scopes``) with its
     rewritten ``body`` on ``invals``, its saved values stored by the rule of
@@ -286,7 +287,7 @@ def store_checkpoint(
             src = (where[0], _compat.source_line(eqns[k]))
             how = _plan_saved(tcore, v, operands, fmt, src, _name(eqns[k]))
         plan.append(how)
-    coded = [j for j, how in enumerate(in_plan) if isinstance(how, Format)]
+    coded = [j for j, how in enumerate(in_plan) if isinstance(how, Recipe)]
     codes = [c for j in coded for c in encoded(args[j], in_plan[j])]
     return _bound(traced, n_out, args, codes, in_plan, plan)
 
@@ -294,7 +295,7 @@ def store_checkpoint(
 @dataclasses.dataclass(frozen=True)
 class Split:
     """A saved value stored in pieces along ``axis`` (``sizes``), each as
-    ``hows`` says (a :class:`Format`, ``"raw"``)."""
+    ``hows`` says (a :class:`Recipe`, ``"raw"``)."""
 
     axis: int
     sizes: tuple[int, ...]
@@ -370,19 +371,19 @@ def _described(eqn: Any, scopes: tuple) -> tuple[tuple, Callable[[int], str]]:
 
 
 def _log(where, value, x, how, rule) -> None:
-    dtype = how.dtype if isinstance(how, Format) else x.dtype
+    dtype = how.dtype if isinstance(how, Recipe) else x.dtype
     _note(SavedChoice(where[0], value, tuple(x.shape), str(dtype), rule, where[1]))
 
 
 def _bound(traced, n_out, args, codes, in_plan, plan) -> list:
     """Bind ``traced`` (outputs, then the policy-saved values) on ``args`` as
     a ``custom_vjp`` saving each input as ``in_plan`` says (a
-    :class:`Format`: from ``codes``, in order; ``"raw"``, ``"none"``) and
+    :class:`Recipe`: from ``codes``, in order; ``"raw"``, ``"none"``) and
     each policy-saved value as ``plan`` says."""
     core, consts = _compat.jaxpr_parts(traced)
     n = len(args)
     fn = jex_core.jaxpr_as_fun(traced)
-    coded = [j for j, how in enumerate(in_plan) if isinstance(how, Format)]
+    coded = [j for j, how in enumerate(in_plan) if isinstance(how, Recipe)]
     slot = {j: n + 2 * k for k, j in enumerate(coded)}
     saved_vars = core.outvars[n_out:]
 
@@ -415,13 +416,13 @@ def _bound(traced, n_out, args, codes, in_plan, plan) -> list:
 
 
 def _saved_value(x: Any, how: Any, code: Any = ()) -> Saved | Pieces:
-    """What the backward pass keeps of ``x``: a :class:`Format` (``code`` if
+    """What the backward pass keeps of ``x``: a :class:`Recipe` (``code`` if
     given, else encoded here), a :class:`Split`, ``"raw"`` or ``"none"``."""
     meta = (x.shape, x.dtype, is_float(x.dtype))
     if isinstance(how, Split):
         parts = jax.lax.split(x, how.sizes, how.axis)
         return Pieces(tuple(map(_saved_value, parts, how.hows)), how.axis)
-    if isinstance(how, Format):
+    if isinstance(how, Recipe):
         if not code:
             with jax.named_scope(RESIDUAL_SCOPE):
                 code = encode(jax.lax.stop_gradient(x), how)

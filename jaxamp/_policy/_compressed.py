@@ -25,6 +25,7 @@ from jax.extend import core as jex_core
 from .. import _compat
 from .._base import _state
 from .._base._cast import cast_cache
+from .._base._codec import Recipe
 from .._base._dtypes import is_float
 from .._base._prims import (
     CHEAP_ELEMENTWISE,
@@ -34,7 +35,7 @@ from .._base._prims import (
     READS_NO_VALUE,
 )
 from .._base._scopes import marker
-from ._residual_format import Format, compressible, decode, encode
+from ._residual_format import compressible, decode, encode, product_form
 
 
 def is_held(x: Any) -> bool:
@@ -43,7 +44,7 @@ def is_held(x: Any) -> bool:
     return held is not None and held.get(id(x)) is x
 
 
-def bind_compressed(call: Any, invals: Sequence[Any], fmt: Format) -> Any:
+def bind_compressed(call: Any, invals: Sequence[Any], fmt: Recipe) -> Any:
     """Bind one ruled equation (``_walk._loop.RuleCall``) with its saved
     inputs stored in ``fmt``; None where the caller binds it as usual."""
     if call.name in _RESHAPES:
@@ -54,7 +55,7 @@ def bind_compressed(call: Any, invals: Sequence[Any], fmt: Format) -> Any:
             return out
     if call.name == "exp":
         return _exp_storing_output(call, invals, fmt)
-    if call.name in MATMULS and not fmt.stores_products:
+    if call.name in MATMULS and not fmt.format.stores_products:
         # Its inputs saved as they are (a weight remade from its held source).
         return store_compressed(call.apply, invals, fmt, keep=range(len(invals)))
     if call.name in _ELEMENTWISE:
@@ -65,7 +66,7 @@ def bind_compressed(call: Any, invals: Sequence[Any], fmt: Format) -> Any:
             if call.name not in READS_NO_VALUE:
                 # Its own backward pass reads the root's code (store_compressed
                 # remakes the inputs); dead wherever a reader remakes ``out``.
-                form = fmt.product_form if _is_square(call, invals) else fmt
+                form = product_form(fmt) if _is_square(call, invals) else fmt
                 stored = store_compressed(call.apply, invals, form)
                 out = out if stored is None else stored
             _mark_derived(out, call, invals, new_in, params, root)
@@ -159,7 +160,7 @@ def recomputable(jaxpr: Any) -> bool:
     return True
 
 
-def _exp_storing_output(call: Any, invals: Sequence[Any], fmt: Format) -> Any:
+def _exp_storing_output(call: Any, invals: Sequence[Any], fmt: Recipe) -> Any:
     """``exp`` whose backward pass reads its output stored in ``fmt``."""
     (x,) = invals
     y = call.apply(x)
@@ -238,7 +239,7 @@ def _mark_weight(out, call, invals, i, source, derive) -> None:
     cache[(id(out), "weight")] = (out, (source, remake))
 
 
-def encoded(x: Any, fmt: Format) -> tuple[Any, Any]:
+def encoded(x: Any, fmt: Recipe) -> tuple[Any, Any]:
     """``x`` in the stored form ``fmt``, ``(q, scale)``, made once per value
     and trace (the cast cache holds it), outside any gradient: every equation
     that saves ``x`` saves the same two arrays, and JAX saves them once."""
@@ -272,7 +273,7 @@ class Saved:
     shape: tuple
     dtype: Any
     perturbed: bool
-    fmt: Format | None
+    fmt: Recipe | None
 
     def value(self) -> Any:
         if self.kind == "raw":
@@ -305,7 +306,7 @@ def _reads(closed: Any, perturbed: Sequence[bool]) -> list[bool]:
 def store_compressed(
     fn: Callable,
     invals: Sequence[Any],
-    fmt: Format,
+    fmt: Recipe,
     recomputed: bool = False,
     keep: Collection[int] = (),
 ) -> Any:

@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 
 from .._base import _state
+from .._base._codec import Recipe
 from .._values._facts import UNKNOWN, EqnFacts
-from ._residual_format import Format
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,9 +41,10 @@ class RuleContext:
             first (with the enclosing equations' prefix; its scope path is
             ``_base/_scopes.scope_path(scopes)``).
         policy: the policy in force (an ``AmpPolicy``), None outside a walk.
-        residual_format: the stored form of the residuals saved here (a
-            ``_residual_format.Format``), None where they are kept in the dtype they
-            are computed in.
+        residual_format: the stored form of the residuals saved here (the
+            codec's ``Recipe``: format, groups, scale form; ``.dtype`` the
+            codes' dtype), None where they are kept in the dtype they are
+            computed in.
         recomputed: the equation is inside a user's ``jax.checkpoint`` body,
             whose residuals the backward pass recomputes.
     """
@@ -53,7 +54,7 @@ class RuleContext:
     facts: EqnFacts | None = None
     scopes: tuple[str, ...] = ()
     policy: Any = None
-    residual_format: Format | None = None
+    residual_format: Recipe | None = None
     recomputed: bool = False
 
     def __post_init__(self):
@@ -83,7 +84,7 @@ def rule_context(
         facts=facts,
         scopes=scopes,
         policy=policy,
-        residual_format=None if rule is None else rule.format,
+        residual_format=None if rule is None else rule.recipe,
         recomputed=state.recomputed,
     )
 

@@ -23,12 +23,14 @@ a :class:`ScopePolicy`. The types follow qwix's rule dataclasses
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from .._base import _formats
+from .._base._codec import Recipe
 from ._context import RuleContext, TracedDtypes, from_dtypes
-from ._residual_format import Format, parse_dtype
+from ._residual_format import parse_dtype, residual_recipe
 
 ATTENTION_KEY = "attention"
 RESIDUALS_KEY = "residuals"
@@ -93,7 +95,7 @@ class CastRule:
     @classmethod
     def with_context(cls, fn: Callable[..., Any]) -> Any:
         """A rule called as ``fn(ctx, *invars, **params)`` with one
-        :class:`jaxamp._policy._context.RuleContext` (compute dtype, traced
+        :class:`jaxamp.extend.RuleContext` (compute dtype, traced
         dtypes, value facts, scopes, policy, residual format). Usable as a
         decorator."""
         return cls(fn, context=True)
@@ -213,7 +215,7 @@ class ResidualRule:
     Attributes:
         dtype: the dtype of a registered 8-bit format
             (``numpy.dtype(float8_e4m3fn)``, ``float8_e5m2``, ``int8``, or one
-            added by :func:`jaxamp.quant.register_format`; given by name, alias or
+            added by :func:`jaxamp.extend.register_format`; given by name, alias or
             dtype): stored in 8 bits with per-group float32 scales; None:
             stored in the dtype amp computes them in (no compression).
         group_size: values per scale along the last axis; None: the format's
@@ -239,12 +241,24 @@ class ResidualRule:
             )
 
     @property
-    def format(self) -> Format | None:
-        """The stored form (``_residual_format.Format``), None for no compression."""
+    def recipe(self) -> Recipe | None:
+        """The codec's recipe of the stored residuals (``_base/_codec.Recipe``:
+        the format, 1 x G groups along the last axis, a step scale), None for
+        no compression."""
         if self.dtype is None:
             return None
-        default = _formats.require(self.dtype, "residual_rule(dtype)").group
-        return Format(self.dtype, self.group_size or default)
+        return residual_recipe(self.dtype, self.group_size)
+
+    @property
+    def format(self) -> Recipe | None:
+        """Deprecated spelling of :attr:`recipe`."""
+        warnings.warn(
+            "ResidualRule.format is deprecated: use ResidualRule.recipe (the "
+            "codec's Recipe).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.recipe
 
     def __repr__(self) -> str:
         name = None if self.dtype is None else _formats.name_of(self.dtype)

@@ -20,9 +20,11 @@ costs more than an eighth of a byte per value), nor is a 0-d or 8-bit one.
 A group with an infinite value gets an infinite scale and decodes to NaN
 everywhere, so a forward overflow stays visible to loss scaling.
 
-The arithmetic is the codec's (``_base/_codec.py``: last-axis groups, a step
-scale); the bound, the default group and whether products' inputs are stored
-come from the dtype's registered format (``_base/_formats.py``). INT8 spaces
+The stored form is the codec's :class:`Recipe` (``_base/_codec.py``:
+last-axis groups, a step scale), which a residual rule hands the codec as it
+is (:func:`residual_recipe`); the bound, the default group and whether
+products' inputs are stored come from its registered format
+(``_base/_formats.py``). INT8 spaces
 its 255 levels evenly, so one outlier coarsens every other value of its group;
 its default group is 32 values (Jetfire's 32-wide blocks, arXiv 2403.12422),
 where FP8's logarithmic spacing keeps small values precise next to a large one
@@ -31,7 +33,6 @@ at 128.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
@@ -44,61 +45,29 @@ from .._base._dtypes import is_float
 MIN_AXIS = 32
 
 
-@dataclasses.dataclass(frozen=True)
-class Format:
-    """A stored form: the 8-bit dtype and the group length along the last axis;
-    the rest is read from the dtype's registered format (``_base/_formats.py``).
+def residual_recipe(spec: Any, group: int | None = None) -> Recipe:
+    """The codec's recipe of a stored residual: ``spec``'s registered format
+    (a name, alias or dtype), 1 x ``group`` groups along the last axis (None:
+    the format's own group), a step scale.
 
-    Attributes:
-        dtype: the dtype of a registered 8-bit format (``float8_e4m3fn``,
-            ``float8_e5m2``, ``int8``, or one added by
-            ``jaxamp.quant.register_format``).
-        group: values per scale along the last axis.
+    Raises:
+        ValueError: if ``spec`` names no registered 8-bit format.
     """
+    fmt = _formats.require(spec, "residual format")
+    size = fmt.group if group is None else group
+    return Recipe(format=fmt, group=LastAxisGroups(size), scale_form="step")
 
-    dtype: np.dtype
-    group: int
 
-    @property
-    def qformat(self) -> _formats.QFormat:
-        """The registered format of :attr:`dtype`."""
-        return _formats.require(self.dtype, "Format(dtype)")
-
-    @property
-    def bound(self) -> float:
-        """The largest stored magnitude: 448 (E4M3), 57344 (E5M2), 127 (INT8)."""
-        return self.qformat.bound
-
-    @property
-    def stores_products(self) -> bool:
-        """Whether the inputs a product's weight gradient reads are stored in
-        this form (the format's own property; of the built-in formats, int8's:
-        0.5% rms error per value in 32-wide groups). FP8's 3 or 2 mantissa
-        bits (2.6%, 5.1%) reach a weight gradient ``x^T g`` undamped, so FP8
-        leaves those inputs in the compute dtype and stores the inputs of
-        non-linearities, norms and attention."""
-        return self.qformat.stores_products
-
-    @property
-    def product_form(self) -> Format:
-        """The form of a value saved at a ``jax.checkpoint`` boundary that a
-        product's input is recomputed from (``_checkpoint.py``): this one
-        where it stores products' inputs, else int8 in 1 x 32 groups."""
-        if self.stores_products:
-            return self
-        return Format(_formats.INT8.dtype, _formats.INT8.group)
-
-    @property
-    def recipe(self) -> Recipe:
-        """The codec's recipe of this form (``_base/_codec.py``)."""
-        return Recipe(
-            format=self.qformat, group=LastAxisGroups(self.group), scale_form="step"
-        )
-
-    def groups(self, length: int) -> tuple[int, int]:
-        """``(group length, number of groups)`` for a last axis of ``length``."""
-        g = min(self.group, length)
-        return g, -(-length // g)
+def product_form(recipe: Recipe) -> Recipe:
+    """The recipe of a value a product's input is recomputed from or a weight
+    gradient reads: ``recipe`` where its format stores products' inputs
+    (``QFormat.stores_products``: of the built-in formats, int8's, 0.5% rms
+    error per value in 32-wide groups), else int8 in 1 x 32 groups. FP8's 3
+    or 2 mantissa bits (2.6%, 5.1%) reach a weight gradient ``x^T g``
+    undamped."""
+    if recipe.format.stores_products:
+        return recipe
+    return residual_recipe(_formats.INT8)
 
 
 def parse_dtype(dtype: Any, argname: str) -> np.dtype | None:
@@ -115,7 +84,7 @@ def parse_dtype(dtype: Any, argname: str) -> np.dtype | None:
         names = ", ".join(repr(f.name) for f in _formats.registered())
         raise ValueError(
             f"{argname}={dtype!r}: residuals are stored in a registered 8-bit "
-            f"format ({names}; jaxamp.quant.register_format adds one), e.g. "
+            f"format ({names}; jaxamp.extend.register_format adds one), e.g. "
             "jnp.float8_e4m3fn or 'int8' (or None: in the dtype amp computes "
             "them in)."
         )
@@ -140,18 +109,18 @@ def compressible_aval(x: Any) -> bool:
     )
 
 
-def encode(x: Any, fmt: Format) -> tuple[Any, Any]:
-    """``(q, scale)``: ``x`` stored in ``fmt`` (see the module docstring).
+def encode(x: Any, recipe: Recipe) -> tuple[Any, Any]:
+    """``(q, scale)``: ``x`` stored by ``recipe`` (see the module docstring).
 
     Args:
         x: float array, last axis at least :data:`MIN_AXIS` long.
-        fmt: the stored form.
+        recipe: the stored form (:func:`residual_recipe`).
 
     Returns:
-        ``q`` of ``x``'s shape in ``fmt.dtype`` and float32 ``scale`` of shape
-        ``x.shape[:-1] + (n,)``.
+        ``q`` of ``x``'s shape in ``recipe.dtype`` and float32 ``scale`` of
+        shape ``x.shape[:-1] + (n,)``.
     """
-    q, scale = quantize(x.astype(np.float32), fmt.recipe)  # float32 groups' amax
+    q, scale = quantize(x.astype(np.float32), recipe)  # float32 groups' amax
     # The codes are what the backward pass reads: without a barrier XLA:GPU
     # may delete an FP8 round trip (excess precision, openxla/xla#41605) or
     # fuse the encoding into the decoding and keep the activation alive
@@ -159,6 +128,6 @@ def encode(x: Any, fmt: Format) -> tuple[Any, Any]:
     return jax.lax.optimization_barrier((q, scale))
 
 
-def decode(q: Any, scale: Any, fmt: Format, dtype: Any) -> Any:
+def decode(q: Any, scale: Any, recipe: Recipe, dtype: Any) -> Any:
     """The value ``(q, scale)`` stores, in ``dtype`` (inverse of :func:`encode`)."""
-    return dequantize(q, scale, fmt.recipe, dtype)
+    return dequantize(q, scale, recipe, dtype)

@@ -40,7 +40,7 @@ from .._policy._rules import default_amp_policy, use_compute_precision
 SizeRule = Callable[[int, int, int], bool]
 
 # Name-stack markers put around the equations an 8-bit rule emits (a format's
-# own marker is its ``QFormat.scope``, ``amp_<label>_matmul``); read by
+# own marker is its ``QFormat.scope``, ``jaxamp_<label>_matmul``); read by
 # ``jaxamp.quantization_report`` to say why a matmul stayed unquantized.
 SMALL_SCOPE = marker("jaxamp_small_matmul")
 # A gradient product the int8 recipe keeps in the compute dtype (wgrad by default).

@@ -71,7 +71,7 @@ def _is_fp8(dtype: Any) -> bool:
     return np.dtype(dtype).itemsize == 1 and is_float(dtype)
 
 
-def quantize(
+def fp8_quantize(
     x: jax.Array, dtype: Any, margin: int = 0, power_of_two: bool = False
 ) -> tuple[jax.Array, jax.Array]:
     """Scale ``x`` by ``fp8_max / amax / 2**margin`` and cast it to ``dtype``.
@@ -106,7 +106,7 @@ def quantize(
     """
     if not _is_fp8(dtype):
         raise ValueError(
-            f"quantize(x, dtype): dtype must be an 8-bit float such as "
+            f"fp8_quantize(x, dtype): dtype must be an 8-bit float such as "
             f"jnp.float8_e4m3fn or jnp.float8_e5m2, got {dtype!r}."
         )
     return _per_tensor(x, _formats.as_format(dtype, "dtype"), margin, power_of_two)
@@ -161,7 +161,7 @@ def fp8_dot_general(
     """``lax.dot_general`` computed in FP8 (E4M3 operands, E5M2 gradients).
 
     Forward: ``lhs`` and ``rhs`` are quantized to ``float8_e4m3fn`` with
-    per-tensor current scales (:func:`quantize`), each in a call of its own
+    per-tensor current scales (:func:`fp8_quantize`), each in a call of its own
     (``_base/_jaxpr.prepare_operand``: inside ``lax.scan``, a stacked weight's
     quantization moves before the loop, one per layer and step), multiplied by
     ``lax.dot_general`` on the float8 arrays, and the result is multiplied by
@@ -184,7 +184,7 @@ def fp8_dot_general(
         margin: power-of-two headroom of the per-tensor scales.
         power_of_two: round every scale down to a power of two.
         format: the operands' 8-bit float format, a registered name or dtype
-            (:func:`jaxamp.quant.register_format`); the cotangent takes the format's
+            (:func:`jaxamp.extend.register_format`); the cotangent takes the format's
             gradient format (E5M2 for the default E4M3).
 
     Returns:
@@ -308,7 +308,7 @@ def fp8_rule(
             DeepSeek-V3 keeps the output head in BF16).
         format: the operands' 8-bit float format, a registered name or dtype
             (default E4M3; gradients in its gradient format, E5M2); its
-            matmuls run inside the scope ``amp_<label>_matmul``.
+            matmuls run inside the scope ``jaxamp_<label>_matmul``.
 
     Returns:
         The rule, to put under the ``"dot_general"`` key of a policy (or use

@@ -160,38 +160,127 @@ def int8_quantize(
     return quantize(x.astype(F32), recipe)  # the float32 values' amax
 
 
-@dataclasses.dataclass(frozen=True)
-class _Recipe:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Int8Recipe:
+    """How int8 trains a matmul: every knob of :func:`jaxamp.int8_policy`,
+    :func:`int8_rule` and :func:`int8_dot_general` in one value, passed through
+    them as it is (qwix's ``QuantizationRule``: a frozen dataclass with one
+    field per knob, compared by value).
+
+    Example::
+
+        recipe = jaxamp.quant.Int8Recipe(wgrad=True, size_rule=None)
+        policy = jaxamp.int8_policy(recipe=recipe)
+        # the same policy: jaxamp.int8_policy(wgrad=True, size_rule=None)
+
+    Attributes:
+        granularity: ``"rowwise"`` or ``"tensorwise"`` scales.
+        forward: quantize the forward product.
+        dgrad: quantize the input-gradient product.
+        wgrad: quantize the weight-gradient product.
+        stochastic_rounding: round the gradient operand stochastically.
+        key: a typed PRNG key mixed into the rounding noise, or None.
+        weight: which operand is the weight: ``"auto"``, ``"lhs"``, ``"rhs"``.
+        size_rule: ``(m, k, n) -> bool``, which matmuls the rule quantizes;
+            None: every one.
+        quantize_last_matmul: quantize a product that feeds the loss.
+
+    Raises:
+        ValueError: for an unknown ``granularity`` or ``weight``.
+        TypeError: for a switch that is not a bool, a ``size_rule`` that is
+            neither callable nor None, or a ``key`` that is not a typed PRNG
+            key.
+    """
+
+    # "rowwise": one scale per row of each operand, its amax reduced over the
+    # contracting dims (AQT, torchao rowwise); "tensorwise": one per tensor.
     granularity: str = "rowwise"
+    # Quantize the forward product; else it runs in the compute dtype.
     forward: bool = True
+    # Quantize the input-gradient product (dgrad, ``d lhs = g . rhs^T``).
     dgrad: bool = True
+    # Quantize the weight-gradient product (wgrad, ``d rhs = lhs^T . g``);
+    # off by default: the compute dtype, as AQT and MaxText run it.
     wgrad: bool = False
+    # Round the gradient operand stochastically (``floor(x * s + u)``,
+    # unbiased); else to nearest.
     stochastic_rounding: bool = True
-    transpose_wgrad: bool = True
+    # A typed PRNG key mixed into the rounding noise (an independent stream,
+    # e.g. ``jax.random.fold_in(key, step)``); None: the data-derived noise
+    # alone. Not compared: a key traced by the step has no value.
+    key: Any = dataclasses.field(default=None, compare=False)
+    # Which operand is the weight (its gradient is the wgrad product):
+    # "auto" reads it from the operands (``_common.weight_operand``), "lhs" or
+    # "rhs" fixes it.
+    weight: str = "auto"
+    # Which matmuls the rule quantizes: ``(m, k, n) -> bool`` on the forward
+    # product's rows, contraction and columns (torchao's rowwise crossover by
+    # default); None: every one. Read by the rule, not by int8_dot_general.
+    size_rule: Any = torchao_rowwise_size_rule
+    # Quantize a product that feeds the loss (a language model's head); off
+    # by default: it runs in the compute dtype with a float32 result. Read
+    # by the rule, not by int8_dot_general.
+    quantize_last_matmul: bool = False
+
+    def __post_init__(self):
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(
+                f"Int8Recipe(granularity=...) must be one of {GRANULARITIES}, got "
+                f"{self.granularity!r}."
+            )
+        for name in ("forward", "dgrad", "wgrad", "stochastic_rounding"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"Int8Recipe({name}=...) must be True or False.")
+        if self.weight not in WEIGHT_CHOICES:
+            raise ValueError(
+                f"Int8Recipe(weight=...) must be one of {WEIGHT_CHOICES}, got "
+                f"{self.weight!r}."
+            )
+        check_size_rule(self.size_rule, "Int8Recipe")
+        _check_key(self.key)
+        last = self.quantize_last_matmul
+        object.__setattr__(self, "quantize_last_matmul", bool(last))
+
+    def __repr__(self) -> str:
+        """The fields that differ from their defaults."""
+        changed = [
+            f"{f.name}={'<key>' if f.name == 'key' else repr(getattr(self, f.name))}"
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) is not f.default
+            and not (f.compare and getattr(self, f.name) == f.default)
+        ]
+        return f"Int8Recipe({', '.join(changed)})"
 
 
-def _recipe(owner: str, **kw: Any) -> _Recipe:
-    if kw["granularity"] not in GRANULARITIES:
-        raise ValueError(
-            f"{owner}(granularity=...) must be one of {GRANULARITIES}, got "
-            f"{kw['granularity']!r}."
+_OPTIONS = tuple(f.name for f in dataclasses.fields(Int8Recipe))
+
+
+def _recipe(owner: str, recipe: Int8Recipe | None, options: dict) -> Int8Recipe:
+    """``recipe`` (default :class:`Int8Recipe`) with the fields ``options``
+    names replaced."""
+    if recipe is None:
+        recipe = Int8Recipe()
+    elif not isinstance(recipe, Int8Recipe):
+        raise TypeError(
+            f"{owner}(recipe=...): a jaxamp.quant.Int8Recipe, got "
+            f"{type(recipe).__name__}."
         )
-    for name in ("forward", "dgrad", "wgrad", "stochastic_rounding"):
-        if not isinstance(kw[name], bool):
-            raise TypeError(f"{owner}({name}=...) must be True or False.")
-    return _Recipe(**kw)
-
-
-def _check_weight(owner: str, weight: Any) -> str:
-    if weight not in WEIGHT_CHOICES:
-        raise ValueError(
-            f"{owner}(weight=...) must be one of {WEIGHT_CHOICES}, got {weight!r}."
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown:
+        raise TypeError(
+            f"{owner}() got unexpected keyword arguments {unknown}; its options "
+            f"are the fields of jaxamp.quant.Int8Recipe: {', '.join(_OPTIONS)}."
         )
-    return weight
+    return dataclasses.replace(recipe, **options) if options else recipe
+
+
+# The weight-gradient product moves its lhs's contracting dims last first
+# (XLA:CPU runs a contraction over dim 0 of both operands on a slow path).
+_TRANSPOSE_WGRAD = True
 
 
 def _weight_last_dot(
-    lhs, rhs, seed, dimension_numbers, out_dtype, recipe, weight, narrow=False
+    lhs, rhs, seed, dimension_numbers, out_dtype, recipe, narrow=False
 ):
     # The product with the weight as rhs (the operand whose gradient is wgrad),
     # its output put back in the original layout. The weight's forward
@@ -202,7 +291,7 @@ def _weight_last_dot(
     # compute dtype (bf16 weight gradients, as the bf16 step's; the scan rule
     # then casts the stacked weight once, before the loop); it is quantized
     # from its own values.
-    a, w, dn, perm = weight_last(lhs, rhs, dimension_numbers, weight)
+    a, w, dn, perm = weight_last(lhs, rhs, dimension_numbers, recipe.weight)
     if recipe.forward:
         axes = _reduce_axes(recipe.granularity, Dims.of(dn, a.ndim, w.ndim).rc, w.ndim)
         wq, ws = prepare_operand(functools.partial(int8_quantize, axes=axes), w)
@@ -249,7 +338,7 @@ def _grad_product(g, other, product, d, recipe, quantized, seed, cd):
     call = (
         (lambda a, b, t: dgrad(a, b, d, t))
         if product is dgrad
-        else (lambda a, b, t: wgrad(b, a, d, t, recipe.transpose_wgrad))
+        else (lambda a, b, t: wgrad(b, a, d, t, _TRANSPOSE_WGRAD))
     )
     if not quantized:
         # Output in the compute dtype, as the default rule emits it: XLA:CPU
@@ -300,6 +389,16 @@ def _traced_seed(key: jax.Array) -> jax.Array:
     return jax.random.bits(key, (), U32)
 
 
+def _check_key(key: Any) -> None:
+    if key is not None and not (
+        isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+    ):
+        raise TypeError(
+            "key=... must be a typed PRNG key such as jax.random.key(0) (or None "
+            f"for data-derived rounding noise), got {type(key).__name__}."
+        )
+
+
 def _seed_source(key: Any) -> Callable[[], jax.Array]:
     """A function giving the uint32 seed of ``key`` in the trace that calls it.
 
@@ -310,13 +409,7 @@ def _seed_source(key: Any) -> Callable[[], jax.Array]:
     """
     if key is None:
         return lambda: jnp.asarray(0, U32)
-    if not (
-        isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
-    ):
-        raise TypeError(
-            "key=... must be a typed PRNG key such as jax.random.key(0) (or None "
-            f"for data-derived rounding noise), got {type(key).__name__}."
-        )
+    _check_key(key)
     if isinstance(key, jax.core.Tracer):  # a policy built inside a traced step
         return functools.partial(_traced_seed, key)
     seed = np.uint32(jax.random.bits(key, (), U32))
@@ -329,13 +422,8 @@ def int8_dot_general(
     dimension_numbers: Any,
     out_dtype: Any = jnp.bfloat16,
     *,
-    granularity: str = "rowwise",
-    forward: bool = True,
-    dgrad: bool = True,
-    wgrad: bool = False,
-    stochastic_rounding: bool = True,
-    key: jax.Array | None = None,
-    weight: str = "auto",
+    recipe: Int8Recipe | None = None,
+    **options: Any,
 ) -> jax.Array:
     """``lax.dot_general`` trained in int8: int8 x int8 -> int32 products.
 
@@ -356,17 +444,12 @@ def int8_dot_general(
             rhs_batch))`` as for ``lax.dot_general``.
         out_dtype: result dtype (the amp compute dtype); also the dtype of
             the backward products that are not quantized.
-        granularity: ``"rowwise"`` (one scale per row of each operand along
-            its non-contracting dims) or ``"tensorwise"`` (one per tensor).
-        forward: quantize the forward product.
-        dgrad: quantize the input-gradient product.
-        wgrad: quantize the weight-gradient product.
-        stochastic_rounding: round the gradient operand stochastically.
-        key: optional typed PRNG key mixed into the rounding noise; None for
-            the data-derived noise alone (module docstring).
-        weight: which operand is the weight (its gradient is the wgrad
-            product): ``"auto"`` (read from shapes and dtypes, above),
-            ``"lhs"`` or ``"rhs"``.
+        recipe: the :class:`Int8Recipe` (granularity, which products are
+            int8, rounding, key, which operand is the weight); None: the
+            default one. Its ``size_rule`` and ``quantize_last_matmul`` are
+            the rule's: this product is always quantized.
+        **options: fields of :class:`Int8Recipe` replacing the recipe's
+            (``wgrad=True``).
 
     Returns:
         The product, ``lax.dot_general``'s shape, dtype ``out_dtype``;
@@ -375,35 +458,19 @@ def int8_dot_general(
 
     Raises:
         ValueError: for an unknown ``granularity`` or ``weight``.
-        TypeError: for a non-bool switch or a ``key`` that is not a typed
-            PRNG key; from ``lax.dot_general`` if the shapes do not match.
+        TypeError: for an option that is no field of :class:`Int8Recipe`, a
+            non-bool switch or a ``key`` that is not a typed PRNG key; from
+            ``lax.dot_general`` if the shapes do not match.
     """
-    recipe = _recipe(
-        "int8_dot_general",
-        granularity=granularity,
-        forward=forward,
-        dgrad=dgrad,
-        wgrad=wgrad,
-        stochastic_rounding=stochastic_rounding,
-    )
-    weight = _check_weight("int8_dot_general", weight)
+    recipe = _recipe("int8_dot_general", recipe, options)
     dn = tuple(tuple(tuple(int(i) for i in x) for x in p) for p in dimension_numbers)
-    seed = _seed_source(key)()
-    return _weight_last_dot(lhs, rhs, seed, dn, out_dtype, recipe, weight)
+    seed = _seed_source(recipe.key)()
+    # The key enters as its seed; the product reads the other fields.
+    product = dataclasses.replace(recipe, key=None)
+    return _weight_last_dot(lhs, rhs, seed, dn, out_dtype, product)
 
 
-def int8_rule(
-    *,
-    granularity: str = "rowwise",
-    forward: bool = True,
-    dgrad: bool = True,
-    wgrad: bool = False,
-    stochastic_rounding: bool = True,
-    size_rule: Any = torchao_rowwise_size_rule,
-    key: jax.Array | None = None,
-    weight: str = "auto",
-    quantize_last_matmul: bool = False,
-):
+def int8_rule(recipe: Int8Recipe | None = None, **options: Any):
     """An amp implementation rule (:class:`jaxamp.rules.ImplementationRule`) running
     float
     ``dot_general`` equations through :func:`int8_dot_general`.
@@ -414,69 +481,48 @@ def int8_rule(
     unchanged.
 
     Args:
-        granularity: as for :func:`int8_dot_general`.
-        forward: as for :func:`int8_dot_general`.
-        dgrad: as for :func:`int8_dot_general`.
-        wgrad: as for :func:`int8_dot_general`.
-        stochastic_rounding: as for :func:`int8_dot_general`.
-        key: as for :func:`int8_dot_general`.
-        weight: as for :func:`int8_dot_general`: ``"auto"`` reads which
-            operand is the weight from the operands.
-        size_rule: ``(m, k, n) -> bool`` on the forward product's per-batch
-            rows (activation's free elements), contraction and columns
-            (weight's free elements): True to quantize. Default
-            :func:`jaxamp.quant.torchao_rowwise_size_rule`; None quantizes every
-            matmul; :class:`jaxamp.quant.min_matmul_size` builds thresholds.
-        quantize_last_matmul: quantize a product that feeds the loss (no
-            other matmul reads it: a language model's head). Default False:
-            it runs in the compute dtype with a float32 result, as
-            torchtitan's float8 recipes and DeepSeek-V3 keep the output head
-            (its int8 input gradient is int8's largest gradient error,
-            ``benchmarks/RESULTS_QUANT.md``).
+        recipe: the :class:`Int8Recipe`; None: the default one. Its
+            ``size_rule`` (``(m, k, n) -> bool`` on the forward product's
+            per-batch rows, contraction and columns: True to quantize;
+            default :func:`jaxamp.quant.torchao_rowwise_size_rule`, None:
+            every matmul, :class:`jaxamp.quant.min_matmul_size` builds
+            thresholds) and ``quantize_last_matmul`` (default False: a
+            product that feeds the loss, a language model's head, runs in
+            the compute dtype with a float32 result, as torchtitan's float8
+            recipes and DeepSeek-V3 keep the output head: its int8 input
+            gradient is int8's largest gradient error,
+            ``benchmarks/RESULTS_QUANT.md``) choose the products.
+        **options: fields of :class:`Int8Recipe` replacing the recipe's.
 
     Returns:
         The rule, for the ``"dot_general"`` key of a policy.
 
     Raises:
-        ValueError, TypeError: for invalid options (naming the argument).
+        ValueError, TypeError: for invalid options (naming the field), or an
+            option that is no field of :class:`Int8Recipe`.
     """
-    recipe = _recipe(
-        "int8_rule",
-        granularity=granularity,
-        forward=forward,
-        dgrad=dgrad,
-        wgrad=wgrad,
-        stochastic_rounding=stochastic_rounding,
-    )
-    size_rule = check_size_rule(size_rule, "int8_rule")
-    weight = _check_weight("int8_rule", weight)
-    seed_source = _seed_source(key)
+    recipe = _recipe("int8_rule", recipe, options)
+    size_rule = check_size_rule(recipe.size_rule, "int8_rule")
+    seed_source = _seed_source(recipe.key)
+    # The key enters each trace as its seed; the product reads the other fields.
+    product = dataclasses.replace(recipe, key=None)
 
     def quantized(lhs, rhs, dn, compute_dtype):
         seed = seed_source()
-        args = (seed, dn, compute_dtype, recipe, weight)
-        return _weight_last_dot(lhs, rhs, *args, narrow=True)
+        return _weight_last_dot(lhs, rhs, seed, dn, compute_dtype, product, True)
 
-    name = f"int8_rule({recipe})"
-    return eight_bit_rule(
-        name, size_rule, weight, INT8.scope, quantized, bool(quantize_last_matmul)
-    )
+    name = f"int8_rule({recipe!r})"
+    last = recipe.quantize_last_matmul
+    return eight_bit_rule(name, size_rule, recipe.weight, INT8.scope, quantized, last)
 
 
 def int8_policy(
     scopes: Iterable[str] | None = None,
     exclude_scopes: Iterable[str] = (),
     *,
-    granularity: str = "rowwise",
-    forward: bool = True,
-    dgrad: bool = True,
-    wgrad: bool = False,
-    stochastic_rounding: bool = True,
-    size_rule: Any = torchao_rowwise_size_rule,
-    key: jax.Array | None = None,
-    weight: str = "auto",
-    quantize_last_matmul: bool = False,
+    recipe: Int8Recipe | None = None,
     base: Mapping[Any, Any] | None = None,
+    **options: Any,
 ) -> dict[Any, Any]:
     """An amp policy training matmuls in int8, everywhere or per named scope.
 
@@ -487,24 +533,20 @@ def int8_policy(
         int8_policy(wgrad=True)                    # all three matmuls in int8
         int8_policy(quantize_last_matmul=True)     # the head in int8 too
         int8_policy(scopes=("mlp",), exclude_scopes=("head",))
+        int8_policy(recipe=Int8Recipe(wgrad=True, size_rule=None))
 
     Scope semantics are those of :func:`jaxamp.fp8_policy`.
 
     Args:
         scopes: scope names whose matmuls are quantized; None for all.
         exclude_scopes: scope names whose matmuls keep the ``base`` rule.
-        granularity: as for :func:`int8_rule`.
-        forward: as for :func:`int8_rule`.
-        dgrad: as for :func:`int8_rule`.
-        wgrad: as for :func:`int8_rule`.
-        stochastic_rounding: as for :func:`int8_rule`.
-        size_rule: as for :func:`int8_rule`.
-        key: as for :func:`int8_rule`.
-        weight: as for :func:`int8_rule`.
-        quantize_last_matmul: as for :func:`int8_rule` (default False: the
-            product feeding the loss stays in the compute dtype).
+        recipe: the :class:`Int8Recipe` of :func:`int8_rule`; None: the
+            default one (torchao's rowwise size rule; the product feeding the
+            loss stays in the compute dtype).
         base: the policy for everything else; default
             ``jaxamp.default_amp_policy``.
+        **options: fields of :class:`Int8Recipe` replacing the recipe's
+            (``size_rule=None``, ``wgrad=True``).
 
     Returns:
         A policy dict for ``jaxamp.amp(..., amp_policy=...)`` (use a bfloat16
@@ -512,20 +554,10 @@ def int8_policy(
 
     Raises:
         TypeError: if ``scopes`` or ``exclude_scopes`` is a single string, or
-            for invalid rule options.
+            for invalid options or one that is no field of :class:`Int8Recipe`.
         ValueError: for an unknown ``granularity`` or ``weight``.
     """
-    rule = int8_rule(
-        granularity=granularity,
-        forward=forward,
-        dgrad=dgrad,
-        wgrad=wgrad,
-        stochastic_rounding=stochastic_rounding,
-        size_rule=size_rule,
-        key=key,
-        weight=weight,
-        quantize_last_matmul=quantize_last_matmul,
-    )
+    rule = int8_rule(_recipe("int8_policy", recipe, options))
     return scoped_policy("int8_policy", rule, scopes, exclude_scopes, base)
 
 

@@ -57,7 +57,7 @@ def find_overflows(
     Every equation of ``jax.make_jaxpr(amp(fn))`` is evaluated one at a time,
     ``jit``/``remat``/``custom_jvp``/``custom_vjp`` bodies inline, ``scan``,
     ``while`` and ``cond`` by Python control flow (as the description
-    registered with :func:`jaxamp.register_higher_order` runs each), so an
+    registered with :func:`jaxamp.extend.register_higher_order` runs each), so an
     overflow inside a scanned, checkpointed layer is found at the line that
     wrote it. Only the
     first overflow of a chain is reported (its consumers see non-finite inputs).

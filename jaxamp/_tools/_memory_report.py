@@ -43,7 +43,7 @@ class MemoryRow:
             and ``checkpoint`` bodies; ``"argument"`` never appears: arguments
             are alive anyway and not counted).
         dtype: the stored dtype's name (``"float8_e4m3fn"``, ``"bfloat16"``;
-            an 8-bit format added by :func:`jaxamp.quant.register_format` by its
+            an 8-bit format added by :func:`jaxamp.extend.register_format` by its
             name).
         shape: the shape of one of them (with a stacked ``scan`` axis).
         count: how many such arrays are saved.

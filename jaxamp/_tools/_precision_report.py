@@ -92,7 +92,7 @@ class SiteRecord:
         source: the user's line, ``"file.py:LINE:COL (function)"``.
         format: the low-precision format it ran in (``"bfloat16"``,
             ``"int8"``, ``"float8_e4m3fn"``, ``"float32"``; an 8-bit format
-            added by :func:`jaxamp.quant.register_format` by its name).
+            added by :func:`jaxamp.extend.register_format` by its name).
         local_error: relative L2 error of amp's equation on the float32 inputs.
         propagated_error: relative L2 error of amp's value.
         overflow: fraction of output elements non-finite in amp's local value

@@ -66,7 +66,7 @@ class MatmulRecord(NamedTuple):
             and columns).
         format: an 8-bit product's format label (``"int8"``; ``"fp8"`` for
             E4M3 and E5M2 operands; a format added by
-            :func:`jaxamp.quant.register_format` by its label, else the dtype
+            :func:`jaxamp.extend.register_format` by its label, else the dtype
             name), or the operand dtype name (``"bfloat16"``;
             ``"float32 x bfloat16"`` when they differ).
         flops: FLOPs per call of the function (``scan`` bodies weighted by

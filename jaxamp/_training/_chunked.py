@@ -49,7 +49,7 @@ class Unchunkable(Exception):
 def _callee(eqn: Any) -> Any:
     """The jaxpr a call equation runs once on its operands (``jit``,
     ``custom_jvp``, ``checkpoint``, a call registered with
-    :func:`jaxamp.register_higher_order`: a call in the higher-order
+    :func:`jaxamp.extend.register_higher_order`: a call in the higher-order
     registry, ``_base/_structure.py``, that it evaluates by running its body),
     or None."""
     structure = describe(eqn)

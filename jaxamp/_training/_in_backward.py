@@ -2,12 +2,13 @@
 
 ``update_in_backward(loss_fn, optimizer)`` traces the gradient of ``loss_fn``
 and the optimizer's update (``optimizer.update`` and ``optax.apply_updates``)
-to jaxprs, then evaluates the gradient's jaxpr with each transposed ``scan``
-that stacks the gradient of a stacked parameter replaced: its body computes
-one layer's cotangent as before, feeds it at once to the update of that
-layer's parameter and state (the update's jaxpr evaluated on one slice,
-``_chunked.evaluate_slice``) and writes them into the stacked parameter and
-state carried through the loop, in place (donated). The stacked gradient is
+to jaxprs, then evaluates the gradient's jaxpr with each transposed loop (a
+``scan``, read through its registered description) that stacks the gradient
+of a stacked parameter replaced: its body computes one layer's cotangent as
+before, feeds it at once to the update of that layer's parameter and state
+(the update's jaxpr evaluated on one slice, ``_chunked.evaluate_slice``) and
+writes them into the stacked parameter and state carried through the loop, in
+place (donated). The stacked gradient is
 never formed; one layer's is. Parameters the loop does not stack (the
 embedding, final norms) are updated from their gradients after the backward
 pass. Same primitives on the same elements: the result is the unfused step's,
@@ -37,6 +38,7 @@ from ._layer_update import (
     Fused,
     fused_scan,
     gradient_deps,
+    loop_of,
     plan_leaf,
 )
 from ._low_precision import whole_leaf_updates
@@ -200,8 +202,9 @@ def _uses(core: Any) -> dict:
 
 
 def _stacked_source(core, k, producers, uses):
-    """``(scan index, output position, casts)`` where gradient ``k`` is a
-    stacked output of a ``scan`` (through casts used once), else None."""
+    """``(loop index, body output, casts)`` where gradient ``k`` is a stacked
+    output of a loop (:func:`loop_of`: a ``scan``; through casts used once),
+    else None."""
     v, chain = core.outvars[1 + k], []
     if not is_var(v) or uses.get(v) != [-1]:
         return None
@@ -213,16 +216,16 @@ def _stacked_source(core, k, producers, uses):
             if not is_var(v) or len(uses.get(v, [])) != 1:
                 return None
             continue
-        if eqn.primitive.name != "scan":
+        loop = loop_of(eqn)
+        if loop is None:
             return None
-        n_carry = _compat.scan_carry_range(eqn.params)[1]
-        m = eqn.outvars.index(v)
-        return (i, m, tuple(chain)) if m >= n_carry else None
+        j = loop.stacked_body_output(eqn.outvars.index(v))
+        return None if j is None else (i, j, tuple(chain))
     return None
 
 
 def _fusable(core, p, deps, uouts, names, n_s) -> dict:
-    """scan index -> :class:`Fused`: the stacked parameters each transposed
+    """loop index -> :class:`Fused`: the stacked parameters each transposed
     loop can update in place, their state leaves and forwarded operands."""
     n_p = len(names)
     producers = {v: (i, e) for i, e in enumerate(core.eqns) for v in e.outvars}
@@ -237,16 +240,17 @@ def _fusable(core, p, deps, uouts, names, n_s) -> dict:
         if out_deps[k] - {k}:
             raise ValueError(CLIP_ERROR.format(what=f"parameter {names[k]}"))
         eqn = core.eqns[i]
-        if p[k].ndim < 1 or p[k].shape[0] != eqn.params["length"]:
+        loop = loop_of(eqn)
+        if p[k].ndim < 1 or p[k].shape[0] != loop.trips:
             continue
-        xs0 = sum(_compat.scan_carry_range(eqn.params))
         tied = [v for v, (kk, _) in reads.items() if kk == k]
         late = any(j > i or j == -1 for v in tied for j in uses.get(v, ()))
         inside = [n for n, v in enumerate(eqn.invars) if v in tied]
-        if late or any(n < xs0 for n in inside):
+        # The parameter read inside the loop only as one slice per layer.
+        if late or any(n not in loop.sliced_operands for n in inside):
             continue
         states = [j for j in range(n_s) if out_deps[n_p + j] == {k}]
-        g = groups.setdefault(i, Fused(eqn))
+        g = groups.setdefault(i, Fused(eqn, loop))
         g.leaves.append(k)
         g.ys.append(m)
         g.chains.append(chain)

@@ -1,7 +1,9 @@
 """The pieces of ``update_in_backward`` that run inside the transposed loop:
 one parameter's update evaluated on one block of one layer
 (:class:`LayerUpdate`), and the loop re-bound with those updates in its body
-(:func:`fused_scan`). See ``_in_backward.py``."""
+(:func:`fused_scan`). A loop is read through its registered description
+(:func:`loop_of`, ``_base/_structure.py``), never by its primitive's name or
+parameters. See ``_in_backward.py``."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import numpy as np
 
 from .. import _compat
 from .._base._jaxpr import bind_eqn, evaluate, is_var
+from .._base._structure import SubJaxpr, describe
 from . import _chunked
 
 CLIP_ERROR = (
@@ -26,14 +29,60 @@ CLIP_ERROR = (
 )
 
 
-@dataclasses.dataclass
-class Fused:
-    """The stacked parameters one transposed ``scan`` updates.
+@dataclasses.dataclass(frozen=True)
+class Loop:
+    """A loop equation as its description gives it: one body run ``trips``
+    times (from the last index down when ``reverse``), each output of the body
+    either carried to the next iteration or stacked into an output of the
+    equation (a scan's carries and ``ys``).
 
     Attributes:
-        eqn: the scan equation of the gradient's jaxpr.
+        body: the body (:class:`SubJaxpr`): which operand feeds each of its
+            inputs, which equation output each of its outputs becomes, the
+            carried pairs and the sliced inputs and stacked outputs.
+        trips: the static number of iterations.
+        reverse: whether the iterations run from the last index down.
+    """
+
+    body: SubJaxpr
+    trips: int
+    reverse: bool
+
+    def stacked_body_output(self, m: int) -> int | None:
+        """The body output stacked into equation output ``m``, or None."""
+        return next((j for j in self.body.stacked if self.body.outputs[j] == m), None)
+
+    @property
+    def sliced_operands(self) -> frozenset[int]:
+        """The equation operands the body reads one slice of per iteration."""
+        return frozenset(self.body.inputs[j] for j in self.body.sliced)
+
+
+def loop_of(eqn: Any) -> Loop | None:
+    """``eqn`` as a :class:`Loop`, from its registered description; None for
+    an equation that is no such loop (no description, not one body run a
+    static number of times, or a body output neither carried nor stacked)."""
+    structure = describe(eqn)
+    if structure is None or not structure.unrollable:
+        return None
+    body = structure.subs[0]
+    carried = {o for o, _ in body.carries}
+    if None in body.outputs or carried & set(body.stacked):
+        return None
+    if carried | set(body.stacked) != set(range(len(body.outputs))):
+        return None
+    return Loop(body, structure.trips, structure.reverse)
+
+
+@dataclasses.dataclass
+class Fused:
+    """The stacked parameters one transposed loop updates.
+
+    Attributes:
+        eqn: the loop equation of the gradient's jaxpr.
+        loop: its description.
         leaves: parameter indices whose gradient is one of its stacked outputs.
-        ys: per leaf, the position of that output among the scan's outputs.
+        ys: per leaf, the body output stacked into that gradient.
         chains: per leaf, the ``convert_element_type`` equations between the
             scan's output and the gradient.
         states: per leaf, the optimizer state leaves updated with it.
@@ -43,6 +92,7 @@ class Fused:
     """
 
     eqn: Any
+    loop: Loop
     leaves: list = dataclasses.field(default_factory=list)
     ys: list = dataclasses.field(default_factory=list)
     chains: list = dataclasses.field(default_factory=list)
@@ -224,61 +274,67 @@ def plan_leaf(ucore, uconsts, k, states, zeros, s, p, n_p, n_s):
 
 
 def fused_scan(eqn, invals, group, keep, p, s, new, n_p, n_s):
-    """The transposed ``scan`` ``eqn`` re-run with the updates of ``keep``
-    in its body; the parameters and state they update are carried (in
-    place) and written to ``new``. Returns the equation's outputs (None for
-    the gradients no longer stacked)."""
-    n_consts, n_carry = _compat.scan_carry_range(eqn.params)
-    bcore, bconsts = _compat.jaxpr_parts(eqn.params["jaxpr"])
-    length = eqn.params["length"]
+    """The transposed loop ``eqn`` re-run as a ``lax.scan`` with the updates
+    of ``keep`` in its body; the parameters and state they update are carried
+    (in place) and written to ``new``. Returns the equation's outputs (None
+    for the gradients no longer stacked)."""
+    body_of = group.loop.body
+    bcore, bconsts = _compat.jaxpr_parts(body_of.jaxpr)
     kept = {u.k: u for u in keep}
     fwd = {n: r for n, r in group.forwarded.items() if r[0] in kept}
-    xs0 = n_consts + n_carry
-    xs = [x for n, x in enumerate(invals[xs0:], xs0) if n not in fwd]
-    ys_of = {k: m - n_carry for k, m in zip(group.leaves, group.ys) if k in kept}
+    carry_in = [j for _, j in body_of.carries]
+    carry_out = [o for o, _ in body_of.carries]
+    # The sliced body inputs the scan slices; the forwarded ones are read
+    # from the carried stack.
+    sliced = [j for j in body_of.sliced if body_of.inputs[j] not in fwd]
+    xs = [invals[body_of.inputs[j]] for j in sliced]
+    ys_of = {k: j for k, j in zip(group.leaves, group.ys) if k in kept}
     chain_of = dict(zip(group.leaves, group.chains))
     leaves = [(u.k, [u.k] + [n_p + j for j in u.states]) for u in keep]
     values = [*p, *s]
     stacks = [[_chunked.to_bits(values[m]) for m in ms] for _, ms in leaves]
+    done = {ys_of[k] for k, _ in leaves}
 
     def body(carry, x):
         c, st = carry
         xs_sl, i = x
-        xs_it = iter(xs_sl)
-        args = [*invals[:n_consts], *c]
-        for n in range(xs0, len(invals)):
-            if n in fwd:
-                k, casts = fwd[n]
+        args = [invals[n] for n in body_of.inputs]  # the loop's constants
+        for j, v in [*zip(carry_in, c), *zip(sliced, xs_sl)]:
+            args[j] = v
+        for j in body_of.sliced:
+            if body_of.inputs[j] in fwd:
+                k, casts = fwd[body_of.inputs[j]]
                 v = _chunked.take(st[_pos(leaves, k)][0], i)[0]
                 for cast in casts:
                     (v,) = bind_eqn(cast, [v])
-                args.append(v)
-            else:
-                args.append(next(xs_it))
+                args[j] = v
         outs = evaluate(bcore, bconsts, args, bind_eqn)
         new_st = [list(a) for a in st]
         for n, (k, ms) in enumerate(leaves):
-            g = outs[n_carry + ys_of[k]]
+            g = outs[ys_of[k]]
             for cast in chain_of[k]:
                 (g,) = bind_eqn(cast, [g])
             shapes = [values[m].shape for m in ms]
             new_st[n] = _update_layer(kept[k], i, g[None], st[n], shapes, n_p, n_s)
-        done = {ys_of[k] for k, _ in leaves}
-        ys = [y for m, y in enumerate(outs[n_carry:]) if m not in done]
-        return (outs[:n_carry], new_st), ys
+        ys = [outs[j] for j in body_of.stacked if j not in done]
+        return ([outs[o] for o in carry_out], new_st), ys
 
-    init = (list(invals[n_consts:xs0]), stacks)
+    init = ([invals[body_of.inputs[j]] for j in carry_in], stacks)
+    length = group.loop.trips
     steps = jnp.arange(length, dtype=jnp.int32)
     (c, st), ys = jax.lax.scan(
-        body, init, (xs, steps), length=length, reverse=eqn.params["reverse"]
+        body, init, (xs, steps), length=length, reverse=group.loop.reverse
     )
     for (_, ms), arrays in zip(leaves, st):
         for m, a in zip(ms, arrays):
             new[m] = _chunked.from_bits(a)
-    done = {ys_of[k] for k, _ in leaves}
+    outs: list = [None] * len(eqn.outvars)
+    for o, v in zip(carry_out, c):
+        outs[body_of.outputs[o]] = v
     ys_it = iter(ys)
-    n_ys = len(eqn.outvars) - n_carry
-    return [*c, *(None if m in done else next(ys_it) for m in range(n_ys))]
+    for j in body_of.stacked:
+        outs[body_of.outputs[j]] = None if j in done else next(ys_it)
+    return outs
 
 
 def _update_layer(upd: LayerUpdate, i, g, arrays, shapes, n_p, n_s) -> list:

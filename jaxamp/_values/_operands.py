@@ -2,9 +2,9 @@
 exponential's input.
 
 A weight gradient ``x^T g`` inherits the error of a stored ``x`` as it is.
-FP8 residuals (``_policy/_residual_format.Format.stores_products``) therefore never
+FP8 residuals (``QFormat.stores_products``) therefore never
 store a product's input in FP8, nor a value the product's input is
-recomputed from (``Format.product_form``: int8), through an elementwise
+recomputed from (``_residual_format.product_form``: int8), through an elementwise
 chain (a GELU, a residual add), a normalisation (a LayerNorm's
 ``x - mean(x)`` and scaling read ``x`` itself, whose relative error they
 keep) or data movement (a

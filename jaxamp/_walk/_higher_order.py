@@ -92,17 +92,28 @@ def rewrite_jaxpr(
 ) -> Any:
     """``jaxpr`` rewritten under ``ctx``; by default with identical in/out avals.
 
-    ``in_dtypes`` / ``out_dtypes`` (one entry per input / output, None to keep
-    the traced dtype) change the signature where a rule asked for it (scan
-    carries); ``out_dtypes=FREE`` lets outputs leave in the dtype the body
-    computes them in (call-like primitives). ``held`` marks the inputs bound to
-    held values (:func:`jaxamp._policy._compressed.is_held`) where JAX's partial
-    evaluation forwards them as residuals. ``widened`` marks the inputs given
-    in a narrower dtype (``in_dtypes``) that hold the traced, wider value: the
-    body reads them widened where it needs the wider dtype
-    (:func:`narrow_sources`). Returns a jaxpr of the same kind
-    (closed or open), or None when an open jaxpr would need constants it
-    cannot carry (the caller then runs the equation unchanged).
+    Rewrites are cached per sub-jaxpr, context and signature: a body called
+    many times is rewritten once.
+
+    Args:
+        jaxpr: a sub-jaxpr parameter of a higher-order equation (a
+            ``ClosedJaxpr`` or an open ``Jaxpr``).
+        ctx: the walk's context, as a higher-order rule receives it.
+        in_dtypes: one dtype per input (None keeps the traced dtype), where a
+            rule changes the signature (a loop's carries); None: all traced.
+        out_dtypes: the same per output; ``"free"`` lets outputs leave in
+            the dtype the body computes them in (call-like primitives).
+        held: per input, whether it is bound to a held value (an argument of
+            the amp'd function: :func:`jaxamp._policy._compressed.is_held`),
+            which JAX's partial evaluation forwards as a residual.
+        widened: per input given in a narrower dtype (``in_dtypes``) that
+            holds the traced, wider value: the body reads it widened where it
+            needs the wider dtype (:func:`narrow_sources`).
+
+    Returns:
+        A jaxpr of the same kind (closed or open), or None when an open jaxpr
+        would need constants it cannot carry (the caller then runs the
+        equation unchanged).
     """
     try:
         per_jaxpr = _REWRITES.setdefault(jaxpr, {})
@@ -294,7 +305,21 @@ def _run_cond(eqn: Any, invals: list, eval_sub: Callable) -> list:
 @register_higher_order("cond", describe=_describe_cond, run=_run_cond)
 @register_higher_order("while", describe=_describe_while, run=_run_while)
 def rewrite_subjaxprs(eqn: Any, invals: list, ctx: AmpContext) -> Any:
-    """Default rule: rewrite every sub-jaxpr parameter, re-bind the primitive."""
+    """The rewrite rule of a primitive whose sub-jaxprs keep their signatures:
+    each sub-jaxpr parameter rewritten (:func:`rewrite_jaxpr`, identical input
+    and output avals), the primitive bound again with the same parameters
+    otherwise.
+
+    Args:
+        eqn: the higher-order equation.
+        invals: its operands as the walk holds them (possibly cast).
+        ctx: the walk's context, as the rule receives it.
+
+    Returns:
+        The equation's outputs, in the dtypes it declares; where a sub-jaxpr
+        cannot be rewritten (an open jaxpr that would need constants), the
+        equation runs unchanged on its traced dtypes.
+    """
     new_params = _rewrite_params(eqn.params, ctx)
     if new_params is None:
         return run_unchanged(eqn, invals, ctx)

@@ -55,7 +55,12 @@ def register_higher_order(
 ) -> Callable[[HigherOrderRule], HigherOrderRule]:
     """Register ``rule(eqn, invals, ctx) -> outvals`` for primitive ``names``,
     with everything the other passes read: the one step that adds a
-    higher-order primitive.
+    higher-order primitive (public as :func:`jaxamp.extend.register_higher_order`).
+    The rule gets the equation, its operands as the walk holds them and the
+    walk's context, and returns its outputs in the dtypes the equation
+    declares: :func:`jaxamp.extend.rewrite_subjaxprs` for a primitive whose
+    sub-jaxprs keep their signatures, or a rule of one's own that rewrites
+    them with :func:`jaxamp.extend.rewrite_jaxpr`.
 
     The registration is read wherever it is needed, when it is needed: the
     walk of every ``amp`` (also one wrapped before), the policies (also
@@ -76,7 +81,7 @@ def register_higher_order(
             ``"my_call"``).
         describe: ``describe(eqn) -> Structure | None``: which operands feed
             which sub-jaxpr inputs, carries, trip count, what kind of call it
-            is (:class:`jaxamp._base._structure.Structure`);
+            is (:class:`jaxamp.extend.Structure`);
             ``functools.partial(describe_call, dtypes_flow=True)`` for a plain
             call, whose one sub-jaxpr takes the equation's operands and gives
             its outputs and whose body's dtypes flow through (as ``jit``).

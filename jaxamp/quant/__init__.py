@@ -1,12 +1,15 @@
-"""8-bit matmuls and formats: FP8 and int8 recipes, their policies, rules and
-products, and the registry of 8-bit formats.
+"""8-bit matmuls: FP8 and int8 recipes, their policies, rules and products.
 
 ``fp8_policy``, ``int8_policy`` and the ready-made ``fp8_amp_policy`` /
-``int8_amp_policy`` are also at the top level.
+``int8_amp_policy`` are also at the top level. The registry of 8-bit formats
+is in :mod:`jaxamp.extend`; the FP8 quantizer is :func:`fp8_quantize` (the old
+spellings are served here for one release with a ``DeprecationWarning``,
+:data:`_MOVED`).
 """
 
-from .._base._formats import register_format as register_format
-from .._base._formats import unregister_format as unregister_format
+import importlib as _importlib
+import warnings as _warnings
+
 from .._quant._common import min_matmul_size as min_matmul_size
 from .._quant._common import torchao_rowwise_size_rule as torchao_rowwise_size_rule
 from .._quant._common import (
@@ -15,18 +18,43 @@ from .._quant._common import (
 from .._quant._fp8 import fp8_amp_policy as fp8_amp_policy
 from .._quant._fp8 import fp8_dot_general as fp8_dot_general
 from .._quant._fp8 import fp8_policy as fp8_policy
+from .._quant._fp8 import fp8_quantize as fp8_quantize
 from .._quant._fp8 import fp8_rule as fp8_rule
-from .._quant._fp8 import quantize as quantize
+from .._quant._int8 import Int8Recipe as Int8Recipe
 from .._quant._int8 import int8_amp_policy as int8_amp_policy
 from .._quant._int8 import int8_dot_general as int8_dot_general
 from .._quant._int8 import int8_policy as int8_policy
 from .._quant._int8 import int8_quantize as int8_quantize
 from .._quant._int8 import int8_rule as int8_rule
 
+# Names served from here for one release: name -> its spelling now. One
+# quantize spelling per format family: fp8_quantize, int8_quantize.
+_MOVED = {
+    "quantize": "jaxamp.quant.fp8_quantize",
+    "register_format": "jaxamp.extend.register_format",
+    "unregister_format": "jaxamp.extend.unregister_format",
+}
+
+
+def __getattr__(name: str):
+    new = _MOVED.get(name)
+    if new is None:
+        raise AttributeError(f"module 'jaxamp.quant' has no attribute {name!r}")
+    _warnings.warn(
+        f"jaxamp.quant.{name} is deprecated: use {new}.",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    home, attr = new.rsplit(".", 1)
+    return getattr(_importlib.import_module(home), attr)
+
+
 __all__ = (
+    "Int8Recipe",
     "fp8_amp_policy",
     "fp8_dot_general",
     "fp8_policy",
+    "fp8_quantize",
     "fp8_rule",
     "int8_amp_policy",
     "int8_dot_general",
@@ -34,9 +62,6 @@ __all__ = (
     "int8_quantize",
     "int8_rule",
     "min_matmul_size",
-    "quantize",
-    "register_format",
     "torchao_rowwise_size_rule",
     "torchao_tensorwise_size_rule",
-    "unregister_format",
 )

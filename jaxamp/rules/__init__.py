@@ -4,10 +4,15 @@ A policy (``jaxamp.default_amp_policy`` and its copies) maps primitive names,
 ``named_scope`` names and the ``"attention"`` / ``"residuals"`` keys to these
 values. The rules most policies name (``use_full_precision``,
 ``use_compute_precision``, ``use_original_precision``), ``residual_rule``,
-``attention_rule`` and ``ScopePolicy`` are also at the top level.
+``attention_rule`` and ``ScopePolicy`` are also at the top level. The
+registry of higher-order primitives and the :class:`RuleContext` a rule reads
+are in :mod:`jaxamp.extend` (served here for one release with a
+``DeprecationWarning``, :data:`_MOVED`).
 """
 
-from .._policy._context import RuleContext as RuleContext
+import importlib as _importlib
+import warnings as _warnings
+
 from .._policy._kinds import CarryRule as CarryRule
 from .._policy._kinds import CastRule as CastRule
 from .._policy._kinds import ImplementationRule as ImplementationRule
@@ -26,8 +31,27 @@ from .._policy._rules import use_range_safe_precision as use_range_safe_precisio
 from .._policy._rules import use_widest_precision as use_widest_precision
 from .._rewrites._attention import AttentionRule as AttentionRule
 from .._rewrites._attention import attention_rule as attention_rule
-from .._walk._register import register_higher_order as register_higher_order
-from .._walk._register import unregister_higher_order as unregister_higher_order
+
+# Names served from here for one release: name -> its spelling now.
+_MOVED = {
+    "RuleContext": "jaxamp.extend.RuleContext",
+    "register_higher_order": "jaxamp.extend.register_higher_order",
+    "unregister_higher_order": "jaxamp.extend.unregister_higher_order",
+}
+
+
+def __getattr__(name: str):
+    new = _MOVED.get(name)
+    if new is None:
+        raise AttributeError(f"module 'jaxamp.rules' has no attribute {name!r}")
+    _warnings.warn(
+        f"jaxamp.rules.{name} is deprecated: use {new}.",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    home, attr = new.rsplit(".", 1)
+    return getattr(_importlib.import_module(home), attr)
+
 
 __all__ = (
     "AttentionRule",
@@ -35,15 +59,12 @@ __all__ = (
     "CastRule",
     "ImplementationRule",
     "ResidualRule",
-    "RuleContext",
     "ScopePolicy",
     "attention_rule",
     "default_amp_policy",
     "follow_compute_precision",
     "keep_current_precision",
-    "register_higher_order",
     "residual_rule",
-    "unregister_higher_order",
     "use_compute_precision",
     "use_full_precision",
     "use_lower_precision",
