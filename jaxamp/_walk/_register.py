@@ -62,17 +62,13 @@ def register_higher_order(
     sub-jaxprs keep their signatures, or a rule of one's own that rewrites
     them with :func:`jaxamp.extend.rewrite_jaxpr`.
 
-    The registration is read wherever it is needed, when it is needed: the
-    walk of every ``amp`` (also one wrapped before), the policies (also
-    :data:`jaxamp.int8_amp_policy`, :func:`jaxamp.fp8_policy` and copies of
-    :data:`jaxamp.default_amp_policy` built before it), and, with
-    ``describe``, the value-facts pass, the scan-input hoist,
-    :func:`jaxamp.find_overflows`, the FLOP counter, the quantization,
-    precision and memory reports, the chunked optimizer update and the
-    attention matcher, which then see through the primitive
-    (``jaxamp._base._structure``); without ``describe`` they treat it as
-    opaque (operands reach a matmul, it is bound as it is, its sub-jaxprs
-    run once). A name registered again replaces its registration (keeping
+    The registration is read when needed: by the walk of every ``amp`` and
+    every policy (also ones built before it), and, with ``describe``, by
+    every pass that sees through the primitive (value facts, the scan-input
+    hoist, :func:`jaxamp.find_overflows`, the FLOP counter, the reports, the
+    chunked optimizer update, the attention matcher; ``jaxamp._base._structure``);
+    without ``describe`` they treat it as opaque (operands reach a matmul, it
+    is bound as it is, its sub-jaxprs run once). A name registered again replaces its registration (keeping
     its description and default rule where none is given);
     :func:`unregister_higher_order` puts the replaced one back.
 
