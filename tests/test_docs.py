@@ -69,16 +69,24 @@ def test_user_guide_code_runs():
     assert len(blocks) > 10
     import jax
 
+    from jaxamp._base import _formats
+
     namespace: dict = {"__name__": "guide"}
+    formats_before = set(_formats.registered())
     # A reader runs JAX's default promotion (optax's updates need it), not the
     # strict promotion conftest.py sets for the library's own tests.
-    with jax.numpy_dtype_promotion("standard"):
-        for i, block in enumerate(blocks):
-            try:
-                exec(compile(block, f"docs/guide.md[block {i}]", "exec"), namespace)
-            except Exception as e:
-                msg = f"docs/guide.md block {i} failed:\n{block}"
-                raise AssertionError(msg) from e
+    try:
+        with jax.numpy_dtype_promotion("standard"):
+            for i, block in enumerate(blocks):
+                try:
+                    code = compile(block, f"docs/guide.md[block {i}]", "exec")
+                    exec(code, namespace)
+                except Exception as e:
+                    msg = f"docs/guide.md block {i} failed:\n{block}"
+                    raise AssertionError(msg) from e
+    finally:  # the guide's formats (its "e3m4") leave the process's registry
+        for fmt in set(_formats.registered()) - formats_before:
+            jaxamp.extend.unregister_format(fmt.name)
 
 
 def test_module_paths_named_in_docstrings_and_docs_exist():
