@@ -6,13 +6,13 @@ higher-order primitives, per-scope policies, bad input, and the must-show
 figures on the scanned GPT of ``benchmarks/run.py`` (size S).
 """
 
-import sys
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import residuals as bench_residuals
+import run as bench
+from helpers import TINY_CHARLM, rel_l2, round_bf16
 from jax.ad_checkpoint import checkpoint_name
 
 import jaxamp
@@ -24,11 +24,6 @@ from jaxamp._policy._checkpoint import (
     STORED_PRODUCT,
 )
 from jaxamp._policy._residual_format import Format, compressible, decode, encode
-from tests.helpers import TINY_CHARLM, rel_l2, round_bf16
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import residuals as bench_residuals  # noqa: E402
-import run as bench  # noqa: E402
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 BF16 = jnp.bfloat16
@@ -284,9 +279,7 @@ NAMES = jax.checkpoint_policies.save_only_these_names("act")
 DOTS = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 
 
-def _norm(x):
-    m = x.mean(-1, keepdims=True)
-    return (x - m) * jax.lax.rsqrt(jnp.square(x - m).mean(-1, keepdims=True) + 1e-5)
+_norm = bench_residuals._norm
 
 
 def _block(h, w):
@@ -752,7 +745,6 @@ def test_gpt_gradient_error(gpt):
 
 @pytest.mark.slow
 def test_charlm_residual_dtype_flag(capsys):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
     import train_charlm
 
     cfg = train_charlm.Config(
