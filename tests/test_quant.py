@@ -9,6 +9,7 @@ the largest element); stochastic rounding doubles the variance.
 
 import functools
 
+import common
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -76,8 +77,7 @@ def init(seed, layers=2):
 def gpt(params, tokens, checkpoint=True):
     """A GPT-style model: scanned (optionally checkpointed) pre-norm blocks."""
 
-    def norm(x):
-        return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-5)
+    norm = functools.partial(common.rms_norm, eps=1e-5)  # no gain
 
     def block(x, w):
         with jax.named_scope("attn"):
