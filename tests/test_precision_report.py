@@ -208,11 +208,16 @@ def test_int8_keeps_the_loss_feeding_matmul_in_the_compute_dtype(tmp_path):
     assert charlm.precision_report("fp32", cfg, params, x, y) is None
 
 
+def _stacked_gpt_params(seed=3):
+    """The unrolled GPT's parameters with its layers stacked for a scan."""
+    params = _gpt_params(jax.random.key(seed))
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *params["layers"])
+    return {**params, "layers": stacked}
+
+
 def test_scan_remat_text_json_and_png(tmp_path):
     # Layers as a checkpointed scan body: one site per equation and iteration,
     # a plain-text table, a JSON file and a PNG.
-    params = _gpt_params(jax.random.key(3))
-    stacked = jax.tree.map(lambda *a: jnp.stack(a), *params["layers"])
 
     def loss(p, x, y):
         @jax.checkpoint
@@ -225,7 +230,7 @@ def test_scan_remat_text_json_and_png(tmp_path):
             return _xent(_ln(h) @ p["head"], y)
 
     x, y = _batch()
-    p = {**params, "layers": stacked}
+    p = _stacked_gpt_params()
     report = jaxamp.precision_report(loss, p, x, y, compute_dtype=BF16, group_depth=2)
     scopes = {r.scope for r in report.records}
     assert {"block/attn", "block/mlp", "head"} <= scopes
@@ -396,9 +401,6 @@ def loop_reports():
     # once) and unrolled (one site per equation and iteration, the reference).
     from jaxamp._tools import _precision_walk
 
-    params = _gpt_params(jax.random.key(3))
-    stacked = jax.tree.map(lambda *a: jnp.stack(a), *params["layers"])
-
     def loss(p, x, y):
         @jax.checkpoint
         def body(h, w):
@@ -419,7 +421,7 @@ def loop_reports():
             return _xent(_ln(h) @ p["head"], y)
 
     x, y = _batch()
-    p = {**params, "layers": stacked}
+    p = _stacked_gpt_params()
     out = {}
     try:
         for unroll in (False, True):
