@@ -76,7 +76,7 @@ def init(d: int, layers: int, heads: int, vocab: int, seed: int) -> dict:
     }
 
 
-rms_norm = common.rms_norm  # float32 statistic and scaling by hand
+rms_norm = common.rms_norm  # its third argument: statistic and scaling in float32
 
 
 def make_loss(heads: int, emb_scale: float, hand: bool = False, probe: bool = False):
