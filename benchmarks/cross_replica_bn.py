@@ -79,6 +79,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+# The model kit beside this file, also under `python -m benchmarks.cross_replica_bn`.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
 if __name__ == "__main__":  # before JAX starts: 8 host CPU devices
     _flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in _flags:

@@ -22,6 +22,7 @@ import jax
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's jaxamp
 sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 import common  # noqa: E402
 import train_charlm as tc  # noqa: E402
 

@@ -40,11 +40,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import common
 import jax
 import jax.numpy as jnp
 
-import jaxamp
+# The model kit beside this file, also under `python -m benchmarks.run`.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+import jaxamp  # noqa: E402
 
 SIZES = {  # d_model, layers, seq, batch, heads, vocab
     "tiny": (32, 2, 16, 2, 2, 64),
