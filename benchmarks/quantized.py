@@ -490,7 +490,7 @@ def noise_model():
     relative L2 error of the elements, and of the column sums (over the 1024
     rows: a bias shows there, zero-mean noise averages out)."""
     ops = _noise_operands()
-    rel = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+    rel = common.rel_l2
     print(
         "| format | "
         + " | ".join(f"{k}: elements | {k}: column sums" for k in ops)

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import rel_l2
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -28,9 +29,7 @@ D, T, B, H, V = 64, 32, 4, 4, 32
 RULE = jaxamp.quant.min_matmul_size(k=64, n=64)
 
 
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+rel = rel_l2  # relative L2 error of one array, in float64
 
 
 def normal(seed, shape, scale=1.0):
