@@ -79,6 +79,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+# The model kit beside this file, also under `python -m benchmarks.cross_replica_bn`.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
 if __name__ == "__main__":  # before JAX starts: 8 host CPU devices
     _flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in _flags:
@@ -88,6 +91,7 @@ import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from common import rel_l2, round_bf16  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -259,10 +263,6 @@ def losses(args) -> tuple[Callable, dict[str, Callable], ResNet]:
 # --- inputs and figures ---------------------------------------------------------
 
 
-def round_bf16(tree):
-    return jax.tree.map(lambda a: a.astype(jnp.bfloat16).astype(a.dtype), tree)
-
-
 def draw(model: ResNet, args, inputs: str, seed: int):
     """Parameters (Flax's init), batch statistics, images and labels of a draw."""
     kp, kx, ky = jax.random.split(jax.random.key(seed), 3)
@@ -276,17 +276,6 @@ def draw(model: ResNet, args, inputs: str, seed: int):
     y = jax.random.randint(ky, (n,), 0, args.classes)
     v = model.init(kp, x[: args.per_replica])
     return round_bf16(v["params"]), v["batch_stats"], round_bf16(x), y
-
-
-def rel_l2(tree, ref) -> float:
-    """``||tree - ref|| / ||ref||`` over all leaves, in float64."""
-    a, b = jax.tree.leaves(tree), jax.tree.leaves(ref)
-    num = sum(
-        float(np.sum(np.square(np.asarray(u, np.float64) - np.asarray(w, np.float64))))
-        for u, w in zip(a, b)
-    )
-    den = sum(float(np.sum(np.square(np.asarray(w, np.float64)))) for w in b)
-    return (num / den) ** 0.5
 
 
 def low_subs(fn: Callable, *operands) -> list:

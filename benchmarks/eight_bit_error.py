@@ -21,11 +21,12 @@ import sys
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's jaxamp
 sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import common  # noqa: E402
 import train_charlm as tc  # noqa: E402
 
 import jaxamp  # noqa: E402
@@ -57,18 +58,13 @@ def grad_errors(seed: int, modes: list[str]) -> dict[str, float]:
     def loss(p, x, y):
         return tc.loss_fn(p, x, y, cfg.heads)
 
-    def flat(tree):
-        leaves = jax.tree.leaves(tree)
-        return jnp.concatenate([a.ravel().astype(jnp.float32) for a in leaves])
-
-    ref = flat(jax.grad(loss)(params, x, y))
+    ref = jax.grad(loss)(params, x, y)
     out = {}
     for mode in modes:
         m = _mode(mode)
         kw = {"amp_policy": m["policy"]()} if "policy" in m else {}
         f = jaxamp.amp(loss, compute_dtype=m["compute"], **kw)
-        g = flat(jax.jit(jax.grad(f))(params, x, y))
-        out[mode] = float(jnp.linalg.norm(g - ref) / jnp.linalg.norm(ref))
+        out[mode] = common.rel_l2(jax.jit(jax.grad(f))(params, x, y), ref)
     return out
 
 

@@ -58,6 +58,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
 import run as _run  # noqa: E402  (benchmarks/run.py: the same GPT on CPU)
 from run import LossScaled  # noqa: E402
 
@@ -80,7 +81,7 @@ BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 def init(size: str, seed: int = 0):
     """float32 parameters pre-rounded to bfloat16, and an int32 batch: the
     model of ``benchmarks/run.py`` at this module's sizes."""
-    return _run.init(size, seed, sizes=SIZES)
+    return common.gpt_init(SIZES[size], seed)
 
 
 def model_flops(size: str) -> float:
@@ -90,35 +91,14 @@ def model_flops(size: str) -> float:
     return 6 * matmul_params * B * T + 12 * B * T * T * d * L
 
 
-_ln = _run._ln  # LayerNorm; float32 statistics in the hand-written variant
+_ln = common.layer_norm  # float32 statistics in the hand-written variant
 
 
 def make_loss(size: str, implementation: str | None, hand: bool) -> Callable:
-    """``loss(params, x, y)``; ``hand``: bfloat16 parameters and activations
-    with float32 LayerNorm statistics and loss, written by hand."""
-    _, _, T, B, H, _ = SIZES[size]
-
-    def block(x, w):
-        h = _ln(x, w["ln1"], hand)
-        q, k, v = jnp.split(h @ w["qkv"], 3, -1)
-        sh = lambda t: t.reshape(B, T, H, -1)
-        a = jax.nn.dot_product_attention(
-            sh(q), sh(k), sh(v), is_causal=True, implementation=implementation
-        )
-        x = x + a.reshape(B, T, -1) @ w["o"]
-        h = _ln(x, w["ln2"], hand)
-        return x + jax.nn.gelu(h @ w["up"]) @ w["down"], None
-
-    def loss(params, x, y):
-        p = jaxamp.migration.mpx.cast_to_bfloat16(params) if hand else params
-        h = p["emb"][x] + p["pos"]
-        h, _ = jax.lax.scan(jax.checkpoint(block), h, p["layers"])
-        logits = (_ln(h, p["lnf"], hand) @ p["emb"].T).astype(F32)
-        lse = jax.nn.logsumexp(logits, -1)
-        gold = jnp.take_along_axis(logits, y[..., None], -1)[..., 0]
-        return (lse - gold).mean()
-
-    return loss
+    """``loss(params, x, y)``, each scanned block under ``jax.checkpoint``;
+    ``hand``: bfloat16 parameters and activations with float32 LayerNorm
+    statistics and loss, written by hand (``common.gpt_loss``)."""
+    return common.gpt_loss(SIZES[size], attention=implementation, hand=hand, remat=True)
 
 
 def variants(size: str) -> dict[str, Callable | str]:
@@ -175,9 +155,6 @@ def kernels(hlo: str) -> dict[str, int]:
         "fmha_bwd": sum("Backward" in t for t in fmha),
         "cublas": sum(t.startswith("__cublas") for t in targets),
     }
-
-
-_rel_l2 = _run._rel_l2
 
 
 def _unavailable(e: Exception) -> str:
@@ -247,7 +224,7 @@ def measure(
             "compile_s": compile_s,
             "temp_mib": getattr(mem, "temp_size_in_bytes", 0) / 2**20,
             "residual_mib": jaxamp.saved_residual_bytes(loss, params, x, y) / 2**20,
-            "grad_rel_l2": _rel_l2(grads, ref_grads),
+            "grad_rel_l2": common.rel_l2(grads, ref_grads),
             "loss_diff": abs(float(value) - float(ref_loss)),
             **kernels(compiled.as_text()),
         }

@@ -87,6 +87,7 @@ import optax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
 import gpu_target  # noqa: E402
 import train_charlm as tc  # noqa: E402
 
@@ -609,7 +610,7 @@ def map_check(steps: int) -> str:
         for m, v in zip(jax.tree.leaves(mu), jax.tree.leaves(nu)):
             ref = m / (jnp.sqrt(v) + 1e-8)
             got = fn(m) / (jnp.sqrt(fn(v)) + 1e-8)
-            errs.append(float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref)))
+            errs.append(common.rel_l2(got, ref))
             zeros += int(jnp.sum((fn(v) == 0) & (v > 0)))
         rows.append(f"| {name} | {max(errs):.3g} | {np.median(errs):.3g} | {zeros} |")
     return "\n".join(

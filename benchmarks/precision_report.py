@@ -8,11 +8,12 @@ scope whose fix buys the most.
 
 **Depth sweep** (``--depth``): the report's time against the first call
 (trace, compile, run) of the jitted amp training step of the same model, in
-one process, side by side. The model is ``benchmarks/quantized.py``'s scoped
-GPT (``benchmarks/run.py``'s GPT, layers in ``lax.scan``, named scopes
-``attn`` / ``mlp`` / ``head``) at width 256, seq 128, batch 8 (size S) with
-4, 12 or 24 layers, under bf16 (the default policy). Each row runs in a fresh
-process (JAX started by one tiny jitted call first). Other processes may
+one process, side by side. The model is the scoped reference GPT
+(``common.gpt_loss(scopes=True)``, as ``benchmarks/quantized.py``'s: layers in
+``lax.scan``, named scopes ``attn`` / ``mlp`` / ``head``) at width 256, seq
+128, batch 8 (size S) with 4, 12 or 24 layers, under bf16 (the default
+policy). Each row runs in a fresh process (JAX started by one tiny jitted call
+first). Other processes may
 share the CPU: compare the ratio, not absolute times.
 
 **Ranking against ablation** (``--ranking``): per case, the report's
@@ -40,9 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-import quantized  # noqa: E402
+import common  # noqa: E402
 import run as gpt_bench  # noqa: E402
 
 import jaxamp  # noqa: E402
@@ -53,12 +53,8 @@ def model(size: str):
     """``(loss(params, x, y), params, x, y)``: the scoped GPT with its head
     weight as ``params["head"]``."""
     params, x, y = gpt_bench.init(size)
-    scoped = quantized.scoped_loss(size)
     params = {**params, "head": params["emb"]}
-
-    def loss(p, x, y):
-        return scoped({k: v for k, v in p.items() if k != "head"}, p["head"], x, y)
-
+    loss = common.gpt_loss(gpt_bench.SIZES[size], scopes=True, head="head")
     return loss, params, x, y
 
 
@@ -93,12 +89,11 @@ def depth_row(layers: int, width: int = 256, seq: int = 128, batch: int = 8) -> 
 
 
 def _fp8_layer_case():
-    """tests/test_precision_report.py's GPT (3 unrolled layers) in bf16 with
-    FP8 in layer 2's MLP only."""
-    import test_precision_report as t
-
-    loss = t._gpt_loss(lambda i: "mlp")
-    params, (x, y) = t._gpt_params(jax.random.key(0)), t._batch()
+    """The unrolled GPT of tests/test_precision_report.py (``common``, 3
+    layers) in bf16 with FP8 in layer 2's MLP only."""
+    loss = common.unrolled_gpt_loss(lambda i: "mlp")
+    params = common.unrolled_gpt_init(jax.random.key(0))
+    x, y = common.unrolled_gpt_batch()
     fp8 = jaxamp.fp8_policy(size_rule=None)
     return loss, params, x, y, {**jaxamp.default_amp_policy, "layer2/mlp": fp8}
 

@@ -44,6 +44,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import common  # noqa: E402
 import run as gpt_bench  # noqa: E402
 
 import jaxamp  # noqa: E402
@@ -134,15 +135,6 @@ def _kernel_row(r):
     )
 
 
-def _rel(g, ref):
-    num = sum(
-        float(jnp.sum(jnp.square(a - b)))
-        for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref))
-    )
-    den = sum(float(jnp.sum(jnp.square(b))) for b in jax.tree.leaves(ref))
-    return (num / den) ** 0.5
-
-
 def training_step(size, repeats):
     params, x, y = gpt_bench.init(size)
     loss = gpt_bench.make_loss(size)
@@ -182,7 +174,7 @@ def training_step(size, repeats):
                     variants[name], params, x, y
                 )
                 / res32,
-                "grad_rel_err": _rel(g, ref),
+                "grad_rel_err": common.rel_l2(g, ref),
                 "eight_bit_flop_share": jaxamp.tools.eight_bit_flop_share(grad_jaxpr),
             }
         )
@@ -214,28 +206,8 @@ def scoped_loss(size):
     """``benchmarks/run.py``'s GPT loss with named scopes and an untied head:
     ``loss(params, head, x, y)`` equals ``make_loss(size)(params, x, y)`` at
     ``head = params["emb"]``."""
-    _, _, T, B, H, _ = gpt_bench.SIZES[size]
-    ln = gpt_bench._ln
-
-    def block(x, w):
-        with jax.named_scope("attn"):
-            q, k, v = jnp.split(ln(x, w["ln1"]) @ w["qkv"], 3, -1)
-            sh = lambda t: t.reshape(B, T, H, -1)
-            a = jax.nn.dot_product_attention(
-                sh(q), sh(k), sh(v), is_causal=True, implementation="xla"
-            )
-            x = x + a.reshape(B, T, -1) @ w["o"]
-        with jax.named_scope("mlp"):
-            return x + jax.nn.gelu(ln(x, w["ln2"]) @ w["up"]) @ w["down"], None
-
-    def loss(params, head, x, y):
-        h, _ = jax.lax.scan(block, params["emb"][x] + params["pos"], params["layers"])
-        with jax.named_scope("head"):
-            logits = (ln(h, params["lnf"]) @ head.T).astype(F32)
-        gold = jnp.take_along_axis(logits, y[..., None], -1)[..., 0]
-        return (jax.nn.logsumexp(logits, -1) - gold).mean()
-
-    return loss
+    loss = common.gpt_loss(gpt_bench.SIZES[size], scopes=True, head="head")
+    return lambda params, head, x, y: loss({**params, "head": head}, x, y)
 
 
 def _canonical(lhs, rhs, dn):
@@ -518,7 +490,7 @@ def noise_model():
     relative L2 error of the elements, and of the column sums (over the 1024
     rows: a bias shows there, zero-mean noise averages out)."""
     ops = _noise_operands()
-    rel = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+    rel = common.rel_l2
     print(
         "| format | "
         + " | ".join(f"{k}: elements | {k}: column sums" for k in ops)

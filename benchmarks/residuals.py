@@ -61,6 +61,7 @@ from jax.ad_checkpoint import checkpoint_name
 import jaxamp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
 import gpu_target  # noqa: E402
 import run  # noqa: E402
 
@@ -92,7 +93,7 @@ def part1(remat: bool) -> list[dict]:
                 lambda p, a, b, loss=loss, c=compute: _grads(loss, c, p, a, b)
             )(params, x, y)
             finite = all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads))
-            err = run._rel_l2(grads, ref)
+            err = common.rel_l2(grads, ref)
             amp_err = err if amp_err is None else amp_err
             rows.append(
                 {
@@ -122,28 +123,7 @@ def checkpointed_loss(size: str, policy):
     """``run.make_loss(size)``'s model with each scanned block under
     ``jax.checkpoint(block, policy=policy)``; the residual stream after
     attention is named ``"act"``."""
-    _, _, T, B, H, _ = run.SIZES[size]
-
-    def block(x, w):
-        h = run._ln(x, w["ln1"])
-        q, k, v = jnp.split(h @ w["qkv"], 3, -1)
-        sh = lambda t: t.reshape(B, T, H, -1)
-        a = jax.nn.dot_product_attention(
-            sh(q), sh(k), sh(v), is_causal=True, implementation="xla"
-        )
-        x = checkpoint_name(x + a.reshape(B, T, -1) @ w["o"], "act")
-        h = run._ln(x, w["ln2"])
-        return x + jax.nn.gelu(h @ w["up"]) @ w["down"], None
-
-    def loss(params, x, y):
-        h = params["emb"][x] + params["pos"]
-        h, _ = jax.lax.scan(jax.checkpoint(block, policy=policy), h, params["layers"])
-        logits = (run._ln(h, params["lnf"]) @ params["emb"].T).astype(jnp.float32)
-        lse = jax.nn.logsumexp(logits, -1)
-        gold = jnp.take_along_axis(logits, y[..., None], -1)[..., 0]
-        return (lse - gold).mean()
-
-    return loss
+    return common.gpt_loss(run.SIZES[size], remat=True, policy=policy, act_name="act")
 
 
 def part1b() -> list[dict]:
@@ -163,7 +143,7 @@ def part1b() -> list[dict]:
                 "policy": policy_name,
                 "residuals": name,
                 "bytes": jaxamp.saved_residual_bytes(loss, params, x, y),
-                "grad_err": run._rel_l2(grads, ref),
+                "grad_err": common.rel_l2(grads, ref),
                 **dict(zip(("peak", "flops"), compiled_stats(loss, (params, x, y)))),
                 "finite": all(
                     bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads)
@@ -185,6 +165,8 @@ BLOCK_DEPTH, BLOCK_WIDTH, BLOCK_ROWS, BLOCK_HEADS = 4, 256, 128, 4
 
 
 def _norm(x):
+    # LayerNorm without a gain, ``x - m`` computed before the variance: the
+    # equations (and so the figures) of RESULTS_RESIDUALS.md's block rows.
     m = x.mean(-1, keepdims=True)
     return (x - m) * jax.lax.rsqrt(jnp.square(x - m).mean(-1, keepdims=True) + 1e-5)
 
@@ -251,9 +233,8 @@ def block_model(shape: str, policy, head: str = "readout"):
         ],
         "out": jax.random.normal(ks[-2], (d, 8)) / d**0.5,
     }
-    to_bf16 = lambda a: a.astype(jnp.bfloat16).astype(jnp.float32)
-    params = jax.tree.map(to_bf16, params)
-    x = to_bf16(100.0 * jax.random.normal(ks[-1], (BLOCK_ROWS, d)))
+    params = common.round_bf16(params)
+    x = common.round_bf16(100.0 * jax.random.normal(ks[-1], (BLOCK_ROWS, d)))
     body = jax.checkpoint(block_fn(shape), policy=policy)
 
     def loss(params, x):
@@ -284,7 +265,7 @@ def block_rows(shape: str, policy_name: str, head: str = "readout") -> list[dict
             "policy": policy_name,
             "residuals": name,
             "bytes": jaxamp.saved_residual_bytes(loss, params, x),
-            "grad_err": run._rel_l2(grads, ref),
+            "grad_err": common.rel_l2(grads, ref),
         }
         amp = row if amp is None else amp
         row["bytes_vs_amp"] = row["bytes"] / amp["bytes"]

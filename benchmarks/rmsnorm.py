@@ -44,13 +44,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "examples"))
 
+import common  # noqa: E402
 import train_charlm as _charlm  # noqa: E402  (the main job's corpus and batches)
-from run import _rel_l2  # noqa: E402
 
 import jaxamp  # noqa: E402
 
 BF16, F32 = jnp.bfloat16, jnp.float32
-EPS = 1e-6
 
 
 def init(d: int, layers: int, heads: int, vocab: int, seed: int) -> dict:
@@ -77,12 +76,7 @@ def init(d: int, layers: int, heads: int, vocab: int, seed: int) -> dict:
     }
 
 
-def rms_norm(x, g, hand: bool = False):
-    """``x * rsqrt(mean(x * x) + eps) * g``; ``hand``: the statistic and the
-    scaling in float32, rounded once to ``x``'s dtype before the gain."""
-    xs = x.astype(F32) if hand else x
-    n = xs * jax.lax.rsqrt(jnp.mean(xs * xs, -1, keepdims=True) + EPS)
-    return n.astype(x.dtype) * g
+rms_norm = common.rms_norm  # its third argument: statistic and scaling in float32
 
 
 def make_loss(heads: int, emb_scale: float, hand: bool = False, probe: bool = False):
@@ -201,9 +195,9 @@ def _errors(t, params, evals, ref_grad, probe, variants) -> dict:
         losses.append(float(ref_l))
         for name, fn in variants.items():
             lv, g = fn(params, x, y)
-            acc[name]["grad_rel_l2"].append(_rel_l2(g, ref_g))
+            acc[name]["grad_rel_l2"].append(common.rel_l2(g, ref_g))
             acc[name]["qkv_grad_rel_l2"].append(
-                _rel_l2(g["layers"]["qkv"], ref_g["layers"]["qkv"])
+                common.rel_l2(g["layers"]["qkv"], ref_g["layers"]["qkv"])
             )
             acc[name]["loss_abs_err"].append(abs(float(lv) - float(ref_l)))
     row = {"step": t, "loss": float(np.mean(losses)), "peak_activation": max(peaks)}

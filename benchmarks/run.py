@@ -42,9 +42,12 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-import jaxamp
+# The model kit beside this file, also under `python -m benchmarks.run`.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+import jaxamp  # noqa: E402
 
 SIZES = {  # d_model, layers, seq, batch, heads, vocab
     "tiny": (32, 2, 16, 2, 2, 64),
@@ -92,76 +95,26 @@ def plain_loss(variant: Callable | LossScaled) -> Callable:
 def init(size: str, seed: int = 0, sizes: dict | None = None):
     """float32 parameters (pre-rounded to bfloat16) and an int32 batch of the
     size named ``size`` in ``sizes`` (default: this module's ``SIZES``)."""
-    d, L, T, B, _, V = (SIZES if sizes is None else sizes)[size]
-    ks = jax.random.split(jax.random.key(seed), 8)
-    n = lambda k, s, sc: (jax.random.normal(k, s) * sc).astype(BF16).astype(jnp.float32)
-    params = {
-        "emb": n(ks[0], (V, d), 0.02),
-        "pos": n(ks[1], (T, d), 0.01),
-        "layers": {
-            "ln1": jnp.ones((L, d)),
-            "qkv": n(ks[2], (L, d, 3 * d), d**-0.5),
-            "o": n(ks[3], (L, d, d), (2 * L * d) ** -0.5),
-            "ln2": jnp.ones((L, d)),
-            "up": n(ks[4], (L, d, 4 * d), d**-0.5),
-            "down": n(ks[5], (L, 4 * d, d), (8 * L * d) ** -0.5),
-        },
-        "lnf": jnp.ones(d),
-    }
-    tok = jax.random.randint(ks[6], (B, T + 1), 0, V)
-    return params, tok[:, :-1], tok[:, 1:]
+    return common.gpt_init((SIZES if sizes is None else sizes)[size], seed)
 
 
-def _ln(x, g, f32_stats=False):
-    xs = x.astype(jnp.float32) if f32_stats else x
-    m = xs.mean(-1, keepdims=True)
-    v = jnp.square(xs - m).mean(-1, keepdims=True)
-    return ((xs - m) * jax.lax.rsqrt(v + 1e-5)).astype(x.dtype) * g
+_ln = common.layer_norm  # float32 statistics in the hand-written variant
 
 
 def make_loss(
     size: str, hand: bool = False, unroll: int | None = None, remat: bool = False
 ) -> Callable:
-    """The model's loss ``loss(params, x, y)``. ``hand``: the hand-written
-    bfloat16 variant; ``unroll``: that many layers in a Python loop (no scan);
-    ``remat``: each scanned block under ``jax.checkpoint``."""
-    _, _, T, B, H, _ = SIZES[size]
-
-    def block(x, w):
-        h = _ln(x, w["ln1"], hand)
-        q, k, v = jnp.split(h @ w["qkv"], 3, -1)
-        sh = lambda t: t.reshape(B, T, H, -1)
-        if hand:  # float32 softmax by hand
-            s = jnp.einsum("bqhd,bkhd->bhqk", sh(q), sh(k)).astype(jnp.float32)
-            s = s / np.float32(np.sqrt(q.shape[-1] // H))
-            mask = jnp.tril(jnp.ones((T, T), bool))
-            p = jax.nn.softmax(jnp.where(mask, s, -1e9), -1).astype(x.dtype)
-            a = jnp.einsum("bhqk,bkhd->bqhd", p, sh(v))
-        else:
-            a = jax.nn.dot_product_attention(
-                sh(q), sh(k), sh(v), is_causal=True, implementation="xla"
-            )
-        x = x + a.reshape(B, T, -1) @ w["o"]
-        h = _ln(x, w["ln2"], hand)
-        return x + jax.nn.gelu(h @ w["up"]) @ w["down"], None
-
-    def loss(params, x, y):
-        p = jaxamp.migration.mpx.cast_to_bfloat16(params) if hand else params
-        h = p["emb"][x] + p["pos"]
-        if unroll is None:
-            body = jax.checkpoint(block) if remat else block
-            h, _ = jax.lax.scan(body, h, p["layers"])
-        else:
-            n_stacked = p["layers"]["qkv"].shape[0]
-            for i in range(unroll):
-                w = {k: a[i % n_stacked] for k, a in p["layers"].items()}
-                h, _ = block(h, w)
-        logits = (_ln(h, p["lnf"], hand) @ p["emb"].T).astype(jnp.float32)
-        lse = jax.nn.logsumexp(logits, -1)
-        gold = jnp.take_along_axis(logits, y[..., None], -1)[..., 0]
-        return (lse - gold).mean()
-
-    return loss
+    """The model's loss ``loss(params, x, y)`` (``common.gpt_loss``). ``hand``:
+    the hand-written bfloat16 variant (its softmax written out in float32);
+    ``unroll``: that many layers in a Python loop (no scan); ``remat``: each
+    scanned block under ``jax.checkpoint``."""
+    return common.gpt_loss(
+        SIZES[size],
+        attention="softmax" if hand else "xla",
+        hand=hand,
+        unroll=unroll,
+        remat=remat,
+    )
 
 
 def variants(size: str) -> dict[str, Callable | str]:
@@ -229,17 +182,6 @@ def _trace_times(fns: dict[str, Callable], args: tuple, repeats: int) -> dict:
             finally:
                 gc.enable()
     return {name: statistics.median(t) for name, t in times.items()}
-
-
-def _rel_l2(g, ref) -> float:
-    """Relative L2 distance of two pytrees of arrays, computed in float32."""
-    f32 = jnp.float32
-    num = sum(
-        float(jnp.sum(jnp.square(a.astype(f32) - b.astype(f32))))
-        for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref))
-    )
-    den = sum(float(jnp.sum(jnp.square(b.astype(f32)))) for b in jax.tree.leaves(ref))
-    return (num / den) ** 0.5
 
 
 def measure(size: str, steps: int, trace_repeats: int, device: str) -> list[dict]:
@@ -310,7 +252,7 @@ def measure(size: str, steps: int, trace_repeats: int, device: str) -> list[dict
         r["residual_ratio"] = r["residual_bytes"] / ref["residual_bytes"]
         r["trace_ratio"] = r["trace_s"] / ref["trace_s"]
         r["step_ratio"] = r["step_s"] / ref["step_s"]
-        r["grad_rel_l2"] = _rel_l2(r["grads"], ref["grads"])
+        r["grad_rel_l2"] = common.rel_l2(r["grads"], ref["grads"])
         r["loss_diff"] = abs(r["loss"] - ref["loss"])
     for r in rows:
         r.pop("grads", None)

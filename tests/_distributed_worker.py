@@ -12,7 +12,9 @@ prints one JSON line ``{"losses": [...], "param_norm": ...}`` (floats as
 ``float.hex`` strings, so the comparison is bit-exact).
 
 The test imports this module too, for the same model, batch and step on one
-process's local devices (the reference run); importing it starts nothing.
+process's local devices (the reference run); importing it starts nothing. The
+model is ``benchmarks/collectives.py``'s, so ``benchmarks/`` must be on
+``PYTHONPATH``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import json
 import sys
 
+import collectives  # benchmarks/: on PYTHONPATH (tests/test_distributed.py sets it)
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,56 +32,24 @@ from jax.sharding import PartitionSpec as P
 
 import jaxamp
 
-VOCAB, D, HEADS, T, LAYERS, BATCH = 64, 32, 2, 16, 2, 8  # BATCH is the global batch
+# benchmarks/collectives.py's unrolled GPT (float32 parameters, tied embedding
+# head) at a size two processes train in seconds; BATCH is the global batch.
+DIMS = collectives.Dims(vocab=64, d=32, layers=2, seq=16, batch=8, heads=2)
+BATCH = DIMS.batch
 
 
 def init_params(seed: int = 0) -> dict:
-    """float32 parameters of a pre-LayerNorm GPT (tied embedding head), NumPy."""
-    rng = np.random.default_rng(seed)
-    n = lambda s, sc: (rng.standard_normal(s) * sc).astype(np.float32)
-    layer = lambda: {
-        "ln1": np.ones(D, np.float32),
-        "qkv": n((D, 3 * D), D**-0.5),
-        "o": n((D, D), (2 * LAYERS * D) ** -0.5),
-        "ln2": np.ones(D, np.float32),
-        "up": n((D, 4 * D), D**-0.5),
-        "down": n((4 * D, D), (8 * LAYERS * D) ** -0.5),
-    }
-    return {
-        "emb": n((VOCAB, D), 0.02),
-        "pos": n((T, D), 0.01),
-        "layers": [layer() for _ in range(LAYERS)],
-        "lnf": np.ones(D, np.float32),
-    }
+    """float32 parameters of the pre-LayerNorm GPT, NumPy."""
+    return collectives.init_params(DIMS, seed)
 
 
 def global_batch(seed: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """The global batch ``(x, y)``: int32 tokens ``[BATCH, T]``, next-token targets."""
-    tok = np.random.default_rng(seed).integers(0, VOCAB, (BATCH, T + 1), np.int32)
-    return tok[:, :-1], tok[:, 1:]
+    return collectives.batch(DIMS, seed)
 
 
-def _ln(x, g):
-    m = x.mean(-1, keepdims=True)
-    v = jnp.square(x - m).mean(-1, keepdims=True)
-    return (x - m) * jax.lax.rsqrt(v + 1e-5) * g
-
-
-def loss_fn(params, x, y):
-    """Mean next-token cross-entropy of the float32 model (amp rewrites it)."""
-    b = x.shape[0]
-    h = params["emb"][x] + params["pos"]
-    for w in params["layers"]:
-        q, k, v = jnp.split(_ln(h, w["ln1"]) @ w["qkv"], 3, -1)
-        sh = lambda t: t.reshape(b, T, HEADS, -1)
-        a = jax.nn.dot_product_attention(
-            sh(q), sh(k), sh(v), is_causal=True, implementation="xla"
-        )
-        h = h + a.reshape(b, T, -1) @ w["o"]
-        h = h + jax.nn.gelu(_ln(h, w["ln2"]) @ w["up"]) @ w["down"]
-    logits = (_ln(h, params["lnf"]) @ params["emb"].T).astype(jnp.float32)
-    gold = jnp.take_along_axis(logits, y[..., None], -1)[..., 0]
-    return (jax.nn.logsumexp(logits, -1) - gold).mean()
+# Mean next-token cross-entropy of the float32 model (amp rewrites it).
+loss_fn = collectives.make_loss(DIMS)
 
 
 def mesh_of(devices) -> Mesh:

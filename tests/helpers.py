@@ -1,13 +1,14 @@
-"""Small helpers shared by the tests: pytree comparisons, bfloat16 rounding and
-the main job's smallest configuration.
+"""Small helpers shared by the tests: pytree comparisons and the main job's
+smallest configuration; bfloat16 rounding and the relative L2 error are the
+model kit's (benchmarks/common.py), re-exported here.
 
 Jaxpr walking lives in the package (``jaxamp.tools.primitive_dtypes``,
 ``jaxamp.tools.matmul_flops_by_dtype``, ``jaxamp.tools.iter_equations``).
 """
 
 import jax
-import jax.numpy as jnp
 import numpy as np
+from common import rel_l2, round_bf16  # noqa: F401  (re-exported)
 
 # The main job (examples/train_charlm.py) at the smallest size its flag tests
 # train: one layer, a few steps' worth of shapes; `Config(**TINY_CHARLM, ...)`.
@@ -23,27 +24,9 @@ TINY_CHARLM = dict(
 )
 
 
-def round_bf16(tree):
-    """Round every float leaf to bfloat16 and back (inputs bfloat16 can represent
-    exactly, so a mixed-precision run sees the same inputs as the reference)."""
-    return jax.tree.map(lambda a: a.astype(jnp.bfloat16).astype(a.dtype), tree)
-
-
 def tree_dtypes(tree):
     """The dtypes of a pytree's array leaves, as a list of numpy dtypes."""
     return [np.dtype(x.dtype) for x in jax.tree.leaves(tree)]
-
-
-def rel_l2(tree, ref):
-    """Relative L2 error ``||tree - ref|| / ||ref||`` over all leaves, in float64."""
-    a, b = jax.tree.leaves(tree), jax.tree.leaves(ref)
-    assert len(a) == len(b), (len(a), len(b))
-    num = sum(
-        float(np.sum(np.square(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
-        for x, y in zip(a, b)
-    )
-    den = sum(float(np.sum(np.square(np.asarray(y, np.float64)))) for y in b)
-    return (num / den) ** 0.5
 
 
 def assert_tree_allclose(tree, ref, *, rtol, atol=0.0):

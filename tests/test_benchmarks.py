@@ -11,11 +11,9 @@ from pathlib import Path
 
 import jax
 import pytest
+import run as bench
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import run as bench  # noqa: E402
 
 VARIANTS = [
     "fp32",

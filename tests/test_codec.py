@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import rel_l2
 
 import jaxamp
 from jaxamp import _compat
@@ -26,9 +27,7 @@ E3M4 = np.dtype(jnp.float8_e3m4)  # JAX's float8_e3m4 (ml_dtypes): max 15.5
 K = jax.random.split(jax.random.key(0), 8)
 
 
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+rel = rel_l2  # relative L2 error of one array, in float64
 
 
 @pytest.fixture

@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+import _distributed_worker as worker
+import collectives
 import jax
 import numpy as np
 import pytest
@@ -22,11 +24,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT / "tests"))
-
-import _distributed_worker as worker  # noqa: E402
-import collectives  # noqa: E402
 
 STEPS = 3
 TIMEOUT_S = 120  # both workers; the whole test takes ~18 s on the 2-core machine
@@ -70,7 +67,9 @@ def test_two_process_training_step(tmp_path):
     env = dict(os.environ)
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
     env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT), str(ROOT / "benchmarks"), env.get("PYTHONPATH", "")]
+    )
     script = str(ROOT / "tests" / "_distributed_worker.py")
     procs, logs = [], []
     try:

@@ -11,15 +11,13 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+import train_charlm
+import train_digits
+from helpers import TINY_CHARLM
 
 import jaxamp
-from tests.helpers import TINY_CHARLM
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
-
-import train_charlm  # noqa: E402
-import train_digits  # noqa: E402
 
 
 @pytest.mark.slow

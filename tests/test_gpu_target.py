@@ -34,10 +34,9 @@ from __future__ import annotations
 
 import collections
 import re
-import sys
-from pathlib import Path
 from typing import NamedTuple
 
+import gpu_target
 import jax
 import jax.numpy as jnp
 import optax
@@ -46,11 +45,6 @@ import pytest
 import jaxamp
 from jaxamp import _compat
 from jaxamp._training import _low_precision, _rounding
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import gpu_target  # noqa: E402
 
 REASON = gpu_target.available()  # None, or the install line
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")

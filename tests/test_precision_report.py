@@ -3,9 +3,9 @@ and a verified policy change that wins it back; the 8-bit policies keep the
 loss-feeding matmul in the compute dtype by default."""
 
 import json
-import sys
 from pathlib import Path
 
+import common
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -21,62 +21,15 @@ from jaxamp import _compat
 
 ROOT = Path(__file__).resolve().parents[1]
 BF16 = jnp.bfloat16
-D, T, B, V, L = 16, 8, 2, 32, 3
-
-
-def _ln(x):
-    m = x.mean(-1, keepdims=True)
-    v = jnp.square(x - m).mean(-1, keepdims=True)
-    return (x - m) * jax.lax.rsqrt(v + 1e-5)
-
-
-def _gpt_params(key, scale=1.0):
-    ks = jax.random.split(key, 6)
-    n = lambda k, s, sc: jax.random.normal(k, s) * sc * scale  # noqa: E731
-    layers = [
-        {
-            "qkv": n(jax.random.fold_in(ks[0], i), (D, 3 * D), D**-0.5),
-            "o": n(jax.random.fold_in(ks[1], i), (D, D), D**-0.5),
-            "up": n(jax.random.fold_in(ks[2], i), (D, 4 * D), D**-0.5),
-            "down": n(jax.random.fold_in(ks[3], i), (4 * D, D), (4 * D) ** -0.5),
-        }
-        for i in range(L)
-    ]
-    params = {"emb": n(ks[4], (V, D), 1.0), "layers": layers}
-    params["head"] = n(ks[5], (D, V), D**-0.5)
-    return round_bf16(params)
-
-
-def _block(h, w, mlp_scope):
-    with jax.named_scope("attn"):
-        q, k, v = jnp.split(_ln(h) @ w["qkv"], 3, -1)
-        s = q @ k.swapaxes(-1, -2) / np.float32(D**0.5)
-        h = h + jax.nn.softmax(s, -1) @ v @ w["o"]
-    with jax.named_scope(mlp_scope):
-        return h + jax.nn.gelu(_ln(h) @ w["up"]) @ w["down"]
-
-
-def _xent(logits, y):
-    gold = jnp.take_along_axis(logits, y[..., None], -1)[..., 0]
-    return (jax.nn.logsumexp(logits, -1) - gold).mean()
-
-
-def _gpt_loss(mlp_scope):
-    def loss(p, x, y):
-        h = p["emb"][x]
-        for i, w in enumerate(p["layers"]):
-            with jax.named_scope(f"layer{i}"):
-                h = _block(h, w, mlp_scope(i))
-        with jax.named_scope("head"):
-            logits = _ln(h) @ p["head"]
-        return _xent(logits, y)
-
-    return loss
-
-
-def _batch(seed=1):
-    tok = jax.random.randint(jax.random.key(seed), (B, T + 1), 0, V)
-    return tok[:, :-1], tok[:, 1:]
+D, L, T, B, V = common.UNROLLED_DIMS
+# The model the reports rank (benchmarks/common.py, shared with
+# benchmarks/precision_report.py).
+_ln = common.layer_norm
+_gpt_params = common.unrolled_gpt_init
+_block = common.unrolled_gpt_block
+_xent = common.xent
+_gpt_loss = common.unrolled_gpt_loss
+_batch = common.unrolled_gpt_batch
 
 
 def _ablation(loss, args, policy, scopes, override=None):
@@ -155,7 +108,6 @@ def test_scanned_int8_gpt_ranks_scopes_as_ablation_does():
     # The report's ranking of the scanned GPT's scopes under int8 matches the
     # ablation (one amp run per scope kept in bf16), and its per-group
     # gradient errors are benchmarks/quantized.py --error-breakdown's numbers.
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     import quantized
     import run as gpt_bench
 
@@ -201,7 +153,6 @@ def test_scanned_int8_gpt_ranks_scopes_as_ablation_does():
 def test_int8_keeps_the_loss_feeding_matmul_in_the_compute_dtype(tmp_path):
     # The main job's model: every product in int8 but the head (tied embedding,
     # no named scope), which the value facts see feeding the loss.
-    sys.path.insert(0, str(ROOT / "examples"))
     import train_charlm as charlm
 
     cfg = charlm.Config(d_model=16, layers=1, heads=2, seq_len=8, batch_size=2)
@@ -257,11 +208,16 @@ def test_int8_keeps_the_loss_feeding_matmul_in_the_compute_dtype(tmp_path):
     assert charlm.precision_report("fp32", cfg, params, x, y) is None
 
 
+def _stacked_gpt_params(seed=3):
+    """The unrolled GPT's parameters with its layers stacked for a scan."""
+    params = _gpt_params(jax.random.key(seed))
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *params["layers"])
+    return {**params, "layers": stacked}
+
+
 def test_scan_remat_text_json_and_png(tmp_path):
     # Layers as a checkpointed scan body: one site per equation and iteration,
     # a plain-text table, a JSON file and a PNG.
-    params = _gpt_params(jax.random.key(3))
-    stacked = jax.tree.map(lambda *a: jnp.stack(a), *params["layers"])
 
     def loss(p, x, y):
         @jax.checkpoint
@@ -274,7 +230,7 @@ def test_scan_remat_text_json_and_png(tmp_path):
             return _xent(_ln(h) @ p["head"], y)
 
     x, y = _batch()
-    p = {**params, "layers": stacked}
+    p = _stacked_gpt_params()
     report = jaxamp.precision_report(loss, p, x, y, compute_dtype=BF16, group_depth=2)
     scopes = {r.scope for r in report.records}
     assert {"block/attn", "block/mlp", "head"} <= scopes
@@ -445,9 +401,6 @@ def loop_reports():
     # once) and unrolled (one site per equation and iteration, the reference).
     from jaxamp._tools import _precision_walk
 
-    params = _gpt_params(jax.random.key(3))
-    stacked = jax.tree.map(lambda *a: jnp.stack(a), *params["layers"])
-
     def loss(p, x, y):
         @jax.checkpoint
         def body(h, w):
@@ -468,7 +421,7 @@ def loop_reports():
             return _xent(_ln(h) @ p["head"], y)
 
     x, y = _batch()
-    p = {**params, "layers": stacked}
+    p = _stacked_gpt_params()
     out = {}
     try:
         for unroll in (False, True):

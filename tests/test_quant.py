@@ -9,10 +9,12 @@ the largest element); stochastic rounding doubles the variance.
 
 import functools
 
+import common
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import rel_l2
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -27,9 +29,7 @@ D, T, B, H, V = 64, 32, 4, 4, 32
 RULE = jaxamp.quant.min_matmul_size(k=64, n=64)
 
 
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+rel = rel_l2  # relative L2 error of one array, in float64
 
 
 def normal(seed, shape, scale=1.0):
@@ -76,8 +76,7 @@ def init(seed, layers=2):
 def gpt(params, tokens, checkpoint=True):
     """A GPT-style model: scanned (optionally checkpointed) pre-norm blocks."""
 
-    def norm(x):
-        return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-5)
+    norm = functools.partial(common.rms_norm, eps=1e-5)  # no gain
 
     def block(x, w):
         with jax.named_scope("attn"):

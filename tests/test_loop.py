@@ -148,9 +148,7 @@ def test_source_info_is_kept():
         jax.jit(jaxamp.amp(f, compute_dtype=BF16)).lower(X, W).as_text(debug_info=True)
     )
     assert re.search(r'loc\("[^"]*/my_layer/[^"]*dot_general"', hlo)
-    assert "test_interpreter.py" in str(
-        jax.extend.source_info_util.summarize(dot.source_info)
-    )
+    assert "test_loop.py" in str(jax.extend.source_info_util.summarize(dot.source_info))
 
 
 # ---------------------------------------------------------------------------

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import rel_l2
 
 import jaxamp
 
@@ -50,12 +51,6 @@ def low_sums(closed):
         if terms > 1 and min(x.aval.dtype.itemsize, y.aval.dtype.itemsize) < 4:
             out.append((x.aval.dtype, y.aval.dtype))
     return out
-
-
-def rel_l2(a, b):
-    num = sum(jnp.sum((x - y) ** 2) for x, y in zip(a, b))
-    den = sum(jnp.sum(y**2) for y in b)
-    return float(jnp.sqrt(num / den))
 
 
 @pytest.mark.parametrize("compute", [BF16, F16], ids=["bf16", "f16"])
