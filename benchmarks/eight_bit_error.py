@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's jaxamp

@@ -68,8 +68,9 @@ def register_higher_order(
     hoist, :func:`jaxamp.find_overflows`, the FLOP counter, the reports, the
     chunked optimizer update, the attention matcher; ``jaxamp._base._structure``);
     without ``describe`` they treat it as opaque (operands reach a matmul, it
-    is bound as it is, its sub-jaxprs run once). A name registered again replaces its registration (keeping
-    its description and default rule where none is given);
+    is bound as it is, its sub-jaxprs run once). A name registered again
+    replaces its registration (keeping its description and default rule
+    where none is given);
     :func:`unregister_higher_order` puts the replaced one back.
 
     Args:
