@@ -34,6 +34,7 @@ from . import tools as tools
 from . import training as training
 from ._amp import amp as amp
 from ._amp import amp_stop as amp_stop
+from ._base._moved import moved_names as _moved_names
 from .quant import fp8_amp_policy as fp8_amp_policy
 from .quant import fp8_policy as fp8_policy
 from .quant import int8_amp_policy as int8_amp_policy
@@ -129,23 +130,15 @@ def __getattr__(name: str):
         return _importlib.import_module("jaxamp.migration._mpx").force_full_precision
     if name == "compat":  # the deprecated package of jaxamp.migration's names
         return _importlib.import_module("jaxamp.compat")
-    if name in _RENAMED:
-        _warnings.warn(
-            f"jaxamp.{name} is deprecated: use {_RENAMED[name]}.",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        home, attr = _RENAMED[name].rsplit(".", 1)
-        return getattr(_importlib.import_module(home), attr)
-    home = _MOVED.get(name)
-    if home is None:
-        raise AttributeError(f"module 'jaxamp' has no attribute {name!r}")
-    _warnings.warn(
-        f"jaxamp.{name} is deprecated: use jaxamp.{home}.{name}.",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return getattr(_importlib.import_module(f"jaxamp.{home}"), name)
+    return _moved_getattr(name)
+
+
+# Every moved or renamed name: its spelling now.
+_moved_getattr = _moved_names(
+    "jaxamp",
+    {**{n: f"jaxamp.{home}.{n}" for n, home in _MOVED.items()}, **_RENAMED},
+    stacklevel=3,
+)
 
 
 __all__ = (

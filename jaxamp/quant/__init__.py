@@ -7,9 +7,7 @@ spellings are served here for one release with a ``DeprecationWarning``,
 :data:`_MOVED`).
 """
 
-import importlib as _importlib
-import warnings as _warnings
-
+from .._base._moved import moved_names as _moved_names
 from .._quant._common import min_matmul_size as min_matmul_size
 from .._quant._common import torchao_rowwise_size_rule as torchao_rowwise_size_rule
 from .._quant._common import (
@@ -36,17 +34,7 @@ _MOVED = {
 }
 
 
-def __getattr__(name: str):
-    new = _MOVED.get(name)
-    if new is None:
-        raise AttributeError(f"module 'jaxamp.quant' has no attribute {name!r}")
-    _warnings.warn(
-        f"jaxamp.quant.{name} is deprecated: use {new}.",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    home, attr = new.rsplit(".", 1)
-    return getattr(_importlib.import_module(home), attr)
+__getattr__ = _moved_names("jaxamp.quant", _MOVED)
 
 
 __all__ = (

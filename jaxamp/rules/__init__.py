@@ -10,9 +10,7 @@ are in :mod:`jaxamp.extend` (served here for one release with a
 ``DeprecationWarning``, :data:`_MOVED`).
 """
 
-import importlib as _importlib
-import warnings as _warnings
-
+from .._base._moved import moved_names as _moved_names
 from .._policy._kinds import CarryRule as CarryRule
 from .._policy._kinds import CastRule as CastRule
 from .._policy._kinds import ImplementationRule as ImplementationRule
@@ -40,17 +38,7 @@ _MOVED = {
 }
 
 
-def __getattr__(name: str):
-    new = _MOVED.get(name)
-    if new is None:
-        raise AttributeError(f"module 'jaxamp.rules' has no attribute {name!r}")
-    _warnings.warn(
-        f"jaxamp.rules.{name} is deprecated: use {new}.",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    home, attr = new.rsplit(".", 1)
-    return getattr(_importlib.import_module(home), attr)
+__getattr__ = _moved_names("jaxamp.rules", _MOVED)
 
 
 __all__ = (
