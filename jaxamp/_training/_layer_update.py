@@ -277,7 +277,7 @@ def fused_scan(eqn, invals, group, keep, p, s, new, n_p, n_s):
     """The transposed loop ``eqn`` re-run as a ``lax.scan`` with the updates
     of ``keep`` in its body; the parameters and state they update are carried
     (in place) and written to ``new``. Returns the equation's outputs (None
-    for the gradients no longer stacked)."""
+    for the gradients the fused loop does not stack)."""
     body_of = group.loop.body
     bcore, bconsts = _compat.jaxpr_parts(body_of.jaxpr)
     kept = {u.k: u for u in keep}
