@@ -24,7 +24,7 @@ the values that reach them are marked too (:data:`EXACT`), for every format.
 The logistic is bounded, so a SiLU's or a gate's input is not among them. The
 values an elementwise derivative reads (``tanh``'s ``1 - tanh^2``, a product
 ``x * y``, a norm's ``rsqrt``) are marked :data:`DERIVATIVE`: stored in 8 bits
-they carry their error into every gradient below (issue 52), so a checkpoint
+they carry their error into every gradient below, so a checkpoint
 stores them as it stores a product's input.
 """
 
