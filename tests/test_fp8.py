@@ -499,3 +499,39 @@ def test_fp8_product_holds_results_whose_unscaled_sum_overflows_float16(out_dtyp
     )
     np.testing.assert_allclose(np.asarray(gx), 5.0 * 8, rtol=2**-6)  # sum over w's rows
     np.testing.assert_allclose(np.asarray(gw), 3.0 * 8, rtol=2**-6)
+
+
+def test_checkpoint_recompute_scales_by_the_forward_amax():
+    # A user's jax.checkpoint recomputes its FP8 layer in the backward pass.
+    # The forward's amaxes are saved (one float32 per operand), so the
+    # recompute quantizes without reducing them again: the only amax
+    # reductions left in the backward are the two cotangents' (E5M2). The
+    # gradients are those of the same layer without the checkpoint.
+    def layer(x, w):
+        return jnp.tanh(x @ w / 64) @ w
+
+    def loss(w, x, ck):
+        body = jax.checkpoint(layer) if ck else layer
+        return jnp.square(body(x, w)).mean()
+
+    # activations in the hundreds, weights pre-rounded to bf16
+    x = (300 * jax.random.normal(jax.random.key(40), (64, 128))).astype(BF16)
+    w = jax.random.normal(jax.random.key(41), (128, 128)).astype(BF16).astype(F32)
+    amp = jaxamp.amp(loss, compute_dtype=BF16, amp_policy=FP8_ALL)
+    grad = jax.jit(jax.grad(amp), static_argnums=2)
+    closed = jax.make_jaxpr(jax.grad(amp), static_argnums=2)(w, x, True)
+
+    def names(jaxpr, name):
+        eqns = jaxamp.tools.iter_equations(jaxpr)
+        return [e for e, _ in eqns if e.primitive.name == name]
+
+    # the user's checkpoint, differentiated: the recompute and the backward
+    (remat,) = [
+        e
+        for e in names(closed, "remat2")
+        if e.params["differentiated"] and names(e.params["jaxpr"], "dot_general")
+    ]
+    assert len(names(remat.params["jaxpr"], "reduce_max")) == 2
+    np.testing.assert_allclose(
+        np.asarray(grad(w, x, True)), np.asarray(grad(w, x, False)), rtol=1e-6
+    )

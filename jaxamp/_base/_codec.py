@@ -35,6 +35,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from . import _formats
 
@@ -42,6 +43,14 @@ F32, U32 = np.dtype(jnp.float32), np.dtype(jnp.uint32)
 # Largest scale: 2**126, whose inverse 2**-126 is float32's smallest normal (an
 # inverse scale in the subnormal range would be flushed to zero on CPU and GPU).
 MAX_SCALE = np.float32(2.0**126)
+# The name (``jax.ad_checkpoint.checkpoint_name``) of an amax that a user's
+# ``jax.checkpoint`` saves whatever its policy (``_policy/_checkpoint.py``:
+# ``saving_amax``): the recompute then scales by the forward's amax and runs no
+# reduction of its own. Only the amaxes of :class:`PerTensor` and
+# :class:`PerAxes` groupings are named (matmul operands: a scalar, or one value
+# per row or column, a few bytes saved), never those of 1 x G groups or blocks
+# (stored residuals and optimizer state, whose amaxes no recompute repeats).
+AMAX_NAME = "jaxamp_amax"
 # Multiply-xorshift constants (shift, multiplier, shift, multiplier, shift):
 # Wellons' lowbias32 (https://nullprogram.com/blog/2018/07/31/) and
 # MurmurHash3's fmix32 (Appleby, public domain); each has full avalanche.
@@ -319,6 +328,10 @@ def quantize(x: jax.Array, recipe: Recipe) -> tuple[jax.Array, jax.Array]:
         per tensor; ``x``'s rank with size-1 reduced dims per axes;
         ``x.shape[:-1] + (groups,)`` for last-axis groups; ``(blocks,)``).
         Multipliers are capped at ``2**126`` (their inverses stay normal).
+        A per-tensor or per-slice amax is named :data:`AMAX_NAME`
+        (``checkpoint_name``): a user's
+        ``jax.checkpoint`` around the call saves it, and its recompute
+        scales by it instead of reducing ``x`` again.
     """
     fmt, group = recipe.format, recipe.group
     # amax of x as passed: in its own dtype (abs and max round nothing). A
@@ -327,6 +340,8 @@ def quantize(x: jax.Array, recipe: Recipe) -> tuple[jax.Array, jax.Array]:
     # orders can see different values.
     v = group.split(x)
     amax = group.amax(v).astype(F32)
+    if isinstance(group, PerTensor):  # PerAxes too
+        amax = checkpoint_name(amax, AMAX_NAME)
     bound = np.float32(fmt.bound / 2.0**recipe.margin)
     if recipe.scale_form == "multiplier":
         stored, mult = _multiplier(amax, bound, recipe)

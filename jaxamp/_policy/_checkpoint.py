@@ -45,9 +45,9 @@ from jax.extend import core as jex_core
 from .. import _compat
 from .._base import _state
 from .._base._cast import cast_cache
-from .._base._codec import Recipe
+from .._base._codec import AMAX_NAME, Recipe
 from .._base._dtypes import is_float
-from .._base._jaxpr import bind_eqn, read
+from .._base._jaxpr import bind_eqn, iter_equations, read
 from .._base._structure import describe
 from .._values._operands import DERIVATIVE, EXACT, PRODUCT, product_operands
 from ._compressed import (
@@ -140,6 +140,41 @@ def policy_cases(policy: Any, jaxpr: Any) -> frozenset:
         body = _call_body(eqn)
         found |= {_case(policy, eqn)} if body is None else policy_cases(policy, body)
     return frozenset(found)
+
+
+@dataclasses.dataclass(frozen=True)
+class SavingAmax:
+    """A ``jax.checkpoint`` policy: the user's ``policy`` (None: save
+    nothing), and every amax jaxamp's codec names (``_base/_codec.AMAX_NAME``)
+    saved as well.
+
+    The checkpoint's recompute then quantizes each recomputed 8-bit operand
+    with the scale of the forward pass instead of reducing its amax again (one
+    float32 per tensor or row saved; JAX's partial evaluation enters the
+    quantizing ``jit`` and keeps only the scaling and the cast). The values
+    are those the recompute would have found, so results are unchanged.
+    """
+
+    policy: Any
+
+    def __call__(self, prim: Any, *avals: Any, **params: Any) -> Any:
+        if prim.name == "name" and params.get("name") == AMAX_NAME:
+            return True
+        return False if self.policy is None else self.policy(prim, *avals, **params)
+
+
+def saving_amax(policy: Any, body: Any) -> Any:
+    """``policy`` (a ``jax.checkpoint`` policy or None) that also saves the
+    amaxes named in the checkpoint's rewritten ``body`` (:class:`SavingAmax`);
+    ``policy`` itself where ``body`` names none (no 8-bit value) or it
+    already saves them."""
+    named = any(
+        e.primitive.name == "name" and e.params.get("name") == AMAX_NAME
+        for e, _ in iter_equations(body)
+    )
+    if not named or isinstance(policy, SavingAmax):
+        return policy
+    return SavingAmax(policy)
 
 
 def offloads(policy: Any, jaxpr: Any) -> bool:

@@ -26,7 +26,10 @@ the training step by hand (Flax's "overwrite with gradient" collection,
 Haliax's ``OverwriteWithGradient`` modules), which is exactly what jaxamp
 avoids. Current scaling is also the more accurate of the two; torchao deleted
 delayed scaling in 2025 (pytorch/ao#1753) for that reason and for lack of
-users. The price is one extra reduction (amax) per operand per matmul.
+users. The price is one extra reduction (amax) per operand per matmul, once:
+a user's ``jax.checkpoint`` saves each amax (one float32) and its recompute
+scales by it (``_policy/_checkpoint.SavingAmax``), where a hand-written
+checkpointed FP8 layer reduces every activation's amax again.
 
 Direct quantization, not quantize-dequantize: the product really is bound on
 float8 operands rather than left to a compiler pattern match that silently

@@ -49,7 +49,12 @@ from .._base import _state, _structure
 from .._base._cast import cast_cache, narrow_sources, restore
 from .._base._dtypes import dtype_of
 from .._base._structure import Structure, SubJaxpr, describe_call
-from .._policy._checkpoint import offloads, policy_cases, store_checkpoint
+from .._policy._checkpoint import (
+    offloads,
+    policy_cases,
+    saving_amax,
+    store_checkpoint,
+)
 from .._policy._compressed import is_held, recomputable, store_compressed
 from .._policy._lookup import AmpPolicy
 from .._policy._residual_format import compressible
@@ -242,6 +247,8 @@ def _call(eqn: Any, invals: list, ctx: AmpContext) -> Any:
         outs = store_checkpoint(eqn, params[name], invals, fmt, ctx.scopes)
         if outs is not None:
             return outs
+    if remat:  # the recompute scales by the forward's amaxes
+        params["policy"] = saving_amax(params.get("policy"), params[name])
     return _bind_stored(eqn.primitive, params, invals, fmt if stored else None)
 
 
