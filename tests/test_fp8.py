@@ -501,12 +501,18 @@ def test_fp8_product_holds_results_whose_unscaled_sum_overflows_float16(out_dtyp
     np.testing.assert_allclose(np.asarray(gw), 3.0 * 8, rtol=2**-6)
 
 
-def test_checkpoint_recompute_scales_by_the_forward_amax():
-    # A user's jax.checkpoint recomputes its FP8 layer in the backward pass.
-    # The forward's amaxes are saved (one float32 per operand), so the
-    # recompute quantizes without reducing them again: the only amax
-    # reductions left in the backward are the two cotangents' (E5M2). The
-    # gradients are those of the same layer without the checkpoint.
+@pytest.mark.parametrize(
+    "policy",
+    [FP8_ALL, jaxamp.int8_policy(size_rule=None, quantize_last_matmul=True)],
+    ids=["fp8", "int8"],
+)
+def test_checkpoint_recompute_scales_by_the_forward_amax(policy):
+    # A user's jax.checkpoint recomputes its 8-bit layer in the backward pass.
+    # The forward's amaxes are saved (one float32 per tensor, or per row for
+    # int8), so the recompute quantizes without reducing them again: the only
+    # amax reductions left in the backward are the two cotangents' (E5M2 for
+    # FP8; int8's weight gradients stay bf16). The gradients are those of the
+    # same layer without the checkpoint.
     def layer(x, w):
         return jnp.tanh(x @ w / 64) @ w
 
@@ -517,7 +523,7 @@ def test_checkpoint_recompute_scales_by_the_forward_amax():
     # activations in the hundreds, weights pre-rounded to bf16
     x = (300 * jax.random.normal(jax.random.key(40), (64, 128))).astype(BF16)
     w = jax.random.normal(jax.random.key(41), (128, 128)).astype(BF16).astype(F32)
-    amp = jaxamp.amp(loss, compute_dtype=BF16, amp_policy=FP8_ALL)
+    amp = jaxamp.amp(loss, compute_dtype=BF16, amp_policy=policy)
     grad = jax.jit(jax.grad(amp), static_argnums=2)
     closed = jax.make_jaxpr(jax.grad(amp), static_argnums=2)(w, x, True)
 
