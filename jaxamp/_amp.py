@@ -220,7 +220,9 @@ def amp_with(
     return amp_fn
 
 
-_CHOICES = frozenset({"narrow_activations", "loop_casts", "loop_quantization"})
+_CHOICES = frozenset(
+    {"narrow_activations", "loop_casts", "loop_quantization", "checkpoint_amax"}
+)
 _BIND_STEPS = frozenset(name for name, _ in DEFAULT_PIPELINE.bind_steps)
 
 
@@ -244,7 +246,9 @@ def ablated(
             weight casts nothing early; ``"loop_casts"``: ``scan`` inputs are
             cast in the loop body, not once before it;
             ``"loop_quantization"``: stacked weights are quantized in the loop
-            body, not once before it) and bind steps skipped
+            body, not once before it; ``"checkpoint_amax"``: a
+            ``jax.checkpoint``'s recompute reduces its 8-bit operands' amaxes
+            again instead of saving them) and bind steps skipped
             (``"derived_sums"``: derived broadcasts' sums in the compute dtype;
             ``"runnable_product"``: no XLA:CPU barrier; ``"overflow_check"``:
             no check even where ``overflow_check`` asks for one).

@@ -21,6 +21,7 @@ import pytest
 from jax import lax
 
 import jaxamp
+from jaxamp import _amp
 
 E4M3, E5M2 = np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)
 F32, BF16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16)
@@ -525,19 +526,26 @@ def test_checkpoint_recompute_scales_by_the_forward_amax(policy):
     w = jax.random.normal(jax.random.key(41), (128, 128)).astype(BF16).astype(F32)
     amp = jaxamp.amp(loss, compute_dtype=BF16, amp_policy=policy)
     grad = jax.jit(jax.grad(amp), static_argnums=2)
-    closed = jax.make_jaxpr(jax.grad(amp), static_argnums=2)(w, x, True)
 
     def names(jaxpr, name):
         eqns = jaxamp.tools.iter_equations(jaxpr)
         return [e for e, _ in eqns if e.primitive.name == name]
 
-    # the user's checkpoint, differentiated: the recompute and the backward
-    (remat,) = [
-        e
-        for e in names(closed, "remat2")
-        if e.params["differentiated"] and names(e.params["jaxpr"], "dot_general")
-    ]
-    assert len(names(remat.params["jaxpr"], "reduce_max")) == 2
+    def amax_reductions(amp):
+        closed = jax.make_jaxpr(jax.grad(amp), static_argnums=2)(w, x, True)
+        # the user's checkpoint, differentiated: the recompute and the backward
+        (remat,) = [
+            e
+            for e in names(closed, "remat2")
+            if e.params["differentiated"] and names(e.params["jaxpr"], "dot_general")
+        ]
+        return len(names(remat.params["jaxpr"], "reduce_max"))
+
+    assert amax_reductions(amp) == 2
     np.testing.assert_allclose(
         np.asarray(grad(w, x, True)), np.asarray(grad(w, x, False)), rtol=1e-6
     )
+    # the ablation: the recompute reduces the two operands' amaxes of both
+    # products again
+    off = _amp.ablated(choices=["checkpoint_amax"])
+    assert amax_reductions(off(loss, compute_dtype=BF16, amp_policy=policy)) == 6

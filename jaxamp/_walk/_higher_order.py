@@ -247,7 +247,8 @@ def _call(eqn: Any, invals: list, ctx: AmpContext) -> Any:
         outs = store_checkpoint(eqn, params[name], invals, fmt, ctx.scopes)
         if outs is not None:
             return outs
-    if remat:  # the recompute scales by the forward's amaxes
+    if remat and "checkpoint_amax" not in ctx.pipeline.off:
+        # the recompute scales by the forward's amaxes
         params["policy"] = saving_amax(params.get("policy"), params[name])
     return _bind_stored(eqn.primitive, params, invals, fmt if stored else None)
 
