@@ -5,6 +5,7 @@ scope whose fix buys the most.
     python benchmarks/precision_report.py --depth 4 --depth 24
     python benchmarks/precision_report.py --ranking
     python benchmarks/precision_report.py --depth 1 --depth 2 --size 32,16,2
+    python benchmarks/precision_report.py --breakdown 4 --breakdown 24
 
 **Depth sweep** (``--depth``): the report's time against the first call
 (trace, compile, run) of the jitted amp training step of the same model, in
@@ -86,6 +87,49 @@ def depth_row(layers: int, width: int = 256, seq: int = 128, batch: int = 8) -> 
         "grad_error": report.grad_error,
         "records": len(report.records),
     }
+
+
+def breakdown_row(
+    layers: int, width: int = 256, seq: int = 128, batch: int = 8
+) -> dict:
+    """Where the report's time goes, each part run alone (no second thread):
+    the first call of the jitted step, the analysis' trace, compile and run,
+    and each step the ranking compiles (amp's own and one per measured scope)
+    under default options and under the analysis' fast ones
+    (``_compat.compile_analysis``)."""
+    from jaxamp import _compat
+    from jaxamp._tools import _precision_ablate, _precision_report
+
+    loss, params, x, y = model(_size(width, layers, seq, batch))
+    args, cd, policy = (params, x, y), np.dtype(jnp.bfloat16), jaxamp.default_amp_policy
+    f = jaxamp.amp(loss, compute_dtype=cd)
+    t0 = time.perf_counter()
+    jax.block_until_ready(jax.jit(jax.value_and_grad(f))(params, x, y))
+    row = {"layers": layers, "step_first_call_s": time.perf_counter() - t0}
+    t0 = time.perf_counter()
+    lowered, box = _precision_report._walk(loss, args, {}, cd, policy, False, {}, 1.0)
+    t1 = time.perf_counter()
+    compiled = _compat.compile_analysis(lowered)
+    t2 = time.perf_counter()
+    jax.block_until_ready(compiled(box["leaves"]))
+    t3 = time.perf_counter()
+    row.update(walk_trace_s=t1 - t0, walk_compile_s=t2 - t1, walk_run_s=t3 - t2)
+    todo = _precision_ablate.plan(box["measure"], box["paths"], box["formats"], policy)
+    policies = [policy] + [p for p, _, _ in todo.values()]
+    for name, compile_fn in (
+        ("default", lambda lw: lw.compile()),
+        ("fast", _compat.compile_analysis),
+    ):
+        comp = run = 0.0
+        for pol in policies:
+            lw, dyn = _precision_report._amp_step(loss, args, {}, cd, pol, False, 1.0)
+            t0 = time.perf_counter()
+            c = compile_fn(lw)
+            t1 = time.perf_counter()
+            jax.block_until_ready(c(dyn))
+            comp, run = comp + t1 - t0, run + time.perf_counter() - t1
+        row[f"steps_{name}"] = [len(policies), comp, run]
+    return row
 
 
 def _fp8_layer_case():
@@ -181,6 +225,12 @@ def main(argv=None) -> int:
     p.add_argument("--depth", type=int, action="append", help="layers in the scan")
     p.add_argument("--ranking", action="store_true", help="only the ranking table")
     p.add_argument(
+        "--breakdown",
+        type=int,
+        action="append",
+        help="where the report's time goes at this many layers (parts run alone)",
+    )
+    p.add_argument(
         "--size",
         default="256,128,8",
         type=_size_arg,
@@ -191,13 +241,33 @@ def main(argv=None) -> int:
     if a.row:  # one row, in a fresh process
         jax.block_until_ready(jax.jit(lambda v: v + 1)(jnp.ones(2)))  # JAX's start-up
         kind, arg = a.row
+        size = (int(v) for v in a.size.split(","))
         if kind == "depth":
-            row = depth_row(int(arg), *(int(v) for v in a.size.split(",")))
+            row = depth_row(int(arg), *size)
+        elif kind == "breakdown":
+            row = breakdown_row(int(arg), *size)
         else:
             row = ranking_row(arg)
         print(json.dumps(row))
         return 0
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
+    if a.breakdown:
+        print(
+            "\n| layers | step first call (s) | analysis trace / compile / run (s) "
+            "| steps | their compile / run, default options (s) "
+            "| their compile / run, fast options (s) |"
+        )
+        print("|---|---|---|---|---|---|")
+        for layers in a.breakdown:
+            r = _fresh(["--row", "breakdown", str(layers), "--size", a.size])
+            (n, cd, rd), (_, cf, rf) = r["steps_default"], r["steps_fast"]
+            print(
+                f"| {layers} | {r['step_first_call_s']:.2f} | {r['walk_trace_s']:.2f} "
+                f"/ {r['walk_compile_s']:.2f} / {r['walk_run_s']:.2f} | {n} | "
+                f"{cd:.2f} / {rd:.2f} | {cf:.2f} / {rf:.2f} |",
+                flush=True,
+            )
+        return 0
     if not a.ranking:
         print(
             "\n| layers | step first call (s) | report (s) | ratio | records "
