@@ -329,9 +329,9 @@ def quantize(x: jax.Array, recipe: Recipe) -> tuple[jax.Array, jax.Array]:
         ``x.shape[:-1] + (groups,)`` for last-axis groups; ``(blocks,)``).
         Multipliers are capped at ``2**126`` (their inverses stay normal).
         A per-tensor or per-slice amax is named :data:`AMAX_NAME`
-        (``checkpoint_name``): a user's
-        ``jax.checkpoint`` around the call saves it, and its recompute
-        scales by it instead of reducing ``x`` again.
+        (``checkpoint_name``): a user's ``jax.checkpoint`` around the call
+        saves it, and its recompute scales by it instead of reducing ``x``
+        again.
     """
     fmt, group = recipe.format, recipe.group
     # amax of x as passed: in its own dtype (abs and max round nothing). A

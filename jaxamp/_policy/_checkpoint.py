@@ -29,6 +29,10 @@ memory (``offload_dot_with_no_batch_dims``) is left to JAX: its copies leave
 the device, and compressing them would need the transfers made here.
 
 Each decision is logged for :func:`jaxamp.memory_report` (:func:`recording`).
+
+Whatever the residual format and the policy, a checkpoint whose body
+quantizes an operand to 8 bits also saves that operand's amax
+(:class:`SavingAmax`), so that its recompute reduces none again.
 """
 
 from __future__ import annotations
@@ -151,8 +155,10 @@ class SavingAmax:
     The checkpoint's recompute then quantizes each recomputed 8-bit operand
     with the scale of the forward pass instead of reducing its amax again (one
     float32 per tensor or row saved; JAX's partial evaluation enters the
-    quantizing ``jit`` and keeps only the scaling and the cast). The values
-    are those the recompute would have found, so results are unchanged.
+    quantizing ``jit`` and keeps only the scaling and the cast). The backward
+    pass then scales as the forward did; an amax reduced again could differ
+    where XLA rounds the recomputed activation differently from the forward's
+    (XLA:CPU's fusions keep some bfloat16 values in float32).
     """
 
     policy: Any
