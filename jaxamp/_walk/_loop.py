@@ -171,6 +171,12 @@ class AmpContext:
         ``facts``, walked under this context."""
         return rule_context(self.compute_dtype, original, facts, scopes, self.policy)
 
+    def eqn_context(self, eqn: Any, facts: Any = None) -> RuleContext:
+        """The :class:`RuleContext` the loop builds for ``eqn`` (a sub-jaxpr
+        equation walked under this context) with value facts ``facts``."""
+        original = [v.aval.dtype for v in eqn.invars]
+        return self.rule_context(original, eqn_scopes(self.scopes, eqn), facts)
+
     @property
     def key(self) -> tuple:
         """Cache key of a sub-jaxpr rewrite under this context: the policy by
@@ -193,10 +199,7 @@ class Walk:
 
     def context(self, j: int) -> RuleContext:
         """The :class:`RuleContext` of equation ``j``, as the loop builds it."""
-        eqn = self.jaxpr.eqns[j]
-        scopes = eqn_scopes(self.ctx.scopes, eqn)
-        original = [v.aval.dtype for v in eqn.invars]
-        return self.ctx.rule_context(original, scopes, self.facts[j])
+        return self.ctx.eqn_context(self.jaxpr.eqns[j], self.facts[j])
 
     def run_eqn(self, j: int, env: dict | None = None) -> None:
         """Walk equation ``j`` as the loop would, on ``env`` (default: the
@@ -320,13 +323,10 @@ def _run_eqn(eqn: Any, eqn_facts: Any, env: dict, ctx: AmpContext) -> None:
     by the :class:`RuleContext` built here, reading its inputs from ``env``
     and writing its outputs there."""
     invals = [read(env, v) for v in eqn.invars]
-    scopes = eqn_scopes(ctx.scopes, eqn)
     with _compat.eqn_context(eqn):
         nested = any(True for _ in _compat.sub_jaxprs(eqn.params))
         params = None if nested else _compat.bind_params(eqn.primitive, eqn.params)
-        original = [v.aval.dtype for v in eqn.invars]
-        rc = rule_context(ctx.compute_dtype, original, eqn_facts, scopes, ctx.policy)
-        outs = _dispatch(eqn, invals, ctx, rc, params)
+        outs = _dispatch(eqn, invals, ctx, ctx.eqn_context(eqn, eqn_facts), params)
     write(env, eqn, outs)
 
 
