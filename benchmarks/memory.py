@@ -353,6 +353,31 @@ SLOPE_VARIANTS = [
         amp_kwargs=(("residual_dtype", "int8"),),
         in_backward=True,
     ),
+    # 8-bit matmuls (every one, the head's too) under the main job's
+    # checkpointed layers: what the recompute saves besides the checkpoint's
+    # inputs (the operands' amaxes).
+    SlopeVariant(
+        "amp FP8 matmuls, f32 master, optax.adamw",
+        "float32",
+        _adamw,
+        amp_kwargs=(
+            (
+                "amp_policy",
+                jaxamp.fp8_policy(size_rule=None, quantize_last_matmul=True),
+            ),
+        ),
+    ),
+    SlopeVariant(
+        "amp int8 matmuls, f32 master, optax.adamw",
+        "float32",
+        _adamw,
+        amp_kwargs=(
+            (
+                "amp_policy",
+                jaxamp.int8_policy(size_rule=None, quantize_last_matmul=True),
+            ),
+        ),
+    ),
     *_skip_pairs(),
 ]
 
