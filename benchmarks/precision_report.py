@@ -6,6 +6,8 @@ scope whose fix buys the most.
     python benchmarks/precision_report.py --ranking
     python benchmarks/precision_report.py --depth 1 --depth 2 --size 32,16,2
     python benchmarks/precision_report.py --breakdown 4 --breakdown 24
+    python benchmarks/precision_report.py --timeline 4 --timeline 24
+    python benchmarks/precision_report.py --fidelity
 
 **Depth sweep** (``--depth``): the report's time against the first call
 (trace, compile, run) of the jitted amp training step of the same model, in
@@ -26,6 +28,19 @@ re-run with that scope alone overridden, an 8-bit scope to the compute dtype,
 a bf16 scope to float32, as ``suggest`` does), ``1 - (error /
 error_all)**2``; "max diff" is the largest difference of a scope's two
 shares, in points.
+
+**Timeline** (``--timeline``): one report on the depth sweep's model, each
+part (the analysis' trace, compile and run; each step's trace, and its compile
+and run) with the thread it ran in and its start and end, in seconds from the
+report's start: whether the second thread overlaps the analysis.
+
+**Fidelity** (``--fidelity``): how far an ablation's shares are a property of
+the policy and not of the compiled program: per case, the shares of a reference
+ablation (amp's step per scope overridden, as ``--ranking``'s) compiled with
+XLA's default options and again with ``xla_allow_excess_precision=False``
+(every rounding to bfloat16 the program asks for is made; by default XLA may
+keep a bfloat16 value in float32 between fused operations). "max diff" is the
+largest difference of a scope's two shares, in points.
 """
 
 from __future__ import annotations
@@ -132,6 +147,105 @@ def breakdown_row(
     return row
 
 
+def timeline_row(layers: int, width: int = 256, seq: int = 128, batch: int = 8) -> dict:
+    """The first call of the jitted step, then one report with each of its
+    parts logged: ``(part, thread, start, end)`` in seconds from the
+    report's start."""
+    import threading
+
+    from jaxamp import _compat
+    from jaxamp._tools import _precision_ablate, _precision_report
+
+    t_start, log = [0.0], []
+
+    def logged(module, name, part):
+        fn = getattr(module, name)
+
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter() - t_start[0]
+            out = fn(*args, **kwargs)
+            t1 = time.perf_counter() - t_start[0]
+            log.append((part, threading.current_thread().name, t0, t1))
+            return out
+
+        setattr(module, name, wrapper)
+
+    logged(_precision_report, "_walk", "analysis trace")
+    logged(_compat, "compile_analysis", "analysis compile")
+    logged(_precision_report, "run_walk", "analysis compile and run")
+    logged(_precision_report, "_amp_step", "step trace")
+    logged(_precision_ablate, "run_steps", "steps compile and run")
+    loss, params, x, y = model(_size(width, layers, seq, batch))
+    f = jaxamp.amp(loss, compute_dtype=jnp.bfloat16)
+    t0 = time.perf_counter()
+    jax.block_until_ready(jax.jit(jax.value_and_grad(f))(params, x, y))
+    first = time.perf_counter() - t0
+    t_start[0] = time.perf_counter()
+    jaxamp.precision_report(loss, params, x, y, compute_dtype=jnp.bfloat16)
+    took = time.perf_counter() - t_start[0]
+    log.sort(key=lambda r: r[2])
+    return {"layers": layers, "step_first_call_s": first, "report_s": took, "log": log}
+
+
+def _fidelity_cases() -> dict:
+    """``name -> (loss, args, policy, scopes, override)``: the test's int8
+    GPT with both rounding recipes, and the depth sweep's bf16 GPT."""
+    import quantized
+
+    params, x, y = gpt_bench.init("tiny")
+    scoped = quantized.scoped_loss("tiny")
+
+    def tiny_loss(p, x, y):
+        return scoped({k: v for k, v in p.items() if k != "head"}, p["head"], x, y)
+
+    tiny = (tiny_loss, ({**params, "head": params["emb"]}, x, y))
+    scopes = ("attn", "mlp", "head")
+    int8 = lambda sr: jaxamp.int8_policy(  # noqa: E731
+        size_rule=None, quantize_last_matmul=True, stochastic_rounding=sr
+    )
+    loss, p, x2, y2 = model(_size(256, 4, 128, 8))
+    f32 = {"amp_default": jaxamp.use_original_precision}
+    return {
+        "int8 (stochastic rounding), scanned GPT tiny": (
+            *tiny, int8(True), scopes, jaxamp.default_amp_policy
+        ),
+        "int8 (round to nearest), scanned GPT tiny": (
+            *tiny, int8(False), scopes, jaxamp.default_amp_policy
+        ),
+        "bf16, scanned GPT w256 L4 T128 B8": (
+            loss, (p, x2, y2), jaxamp.default_amp_policy, scopes, f32
+        ),
+    }  # fmt: skip
+
+
+def fidelity_row(name: str) -> dict:
+    """One case's ablation shares under default options and without excess
+    precision (see the module docstring)."""
+    from jaxamp._tools import _precision_report
+
+    loss, args, policy, scopes, override = _fidelity_cases()[name]
+    g32 = jax.tree.leaves(jax.jit(jax.grad(loss))(*args))
+    cd = np.dtype(jnp.bfloat16)
+    out = {"case": name}
+    for label, options in (("default", None), ("strict", _STRICT)):
+
+        def error(pol, options=options):
+            lw, dyn = _precision_report._amp_step(loss, args, {}, cd, pol, False, 1.0)
+            _, got = lw.compile(options)(dyn)
+            diffs = (np.asarray(a, np.float64) - b for a, b in zip(got, g32))
+            return sum(float(np.sum(d**2)) for d in diffs)
+
+        e0 = error(policy)
+        out[label] = {
+            "error": e0,
+            "shares": {s: 1 - error({**policy, s: override}) / e0 for s in scopes},
+        }
+    return out
+
+
+_STRICT = {"xla_allow_excess_precision": False}
+
+
 def _fp8_layer_case():
     """The unrolled GPT of tests/test_precision_report.py (``common``, 3
     layers) in bf16 with FP8 in layer 2's MLP only."""
@@ -236,6 +350,17 @@ def main(argv=None) -> int:
         type=_size_arg,
         help="depth sweep's width,seq,batch (default 256,128,8: size S)",
     )
+    p.add_argument(
+        "--timeline",
+        type=int,
+        action="append",
+        help="each part of one report at this many layers, with its thread",
+    )
+    p.add_argument(
+        "--fidelity",
+        action="store_true",
+        help="ablation shares with XLA's excess precision on (default) and off",
+    )
     p.add_argument("--row", nargs=2, help=argparse.SUPPRESS)  # kind, argument
     a = p.parse_args(argv)
     if a.row:  # one row, in a fresh process
@@ -246,6 +371,10 @@ def main(argv=None) -> int:
             row = depth_row(int(arg), *size)
         elif kind == "breakdown":
             row = breakdown_row(int(arg), *size)
+        elif kind == "timeline":
+            row = timeline_row(int(arg), *size)
+        elif kind == "fidelity":
+            row = fidelity_row(arg)
         else:
             row = ranking_row(arg)
         print(json.dumps(row))
@@ -265,6 +394,35 @@ def main(argv=None) -> int:
                 f"| {layers} | {r['step_first_call_s']:.2f} | {r['walk_trace_s']:.2f} "
                 f"/ {r['walk_compile_s']:.2f} / {r['walk_run_s']:.2f} | {n} | "
                 f"{cd:.2f} / {rd:.2f} | {cf:.2f} / {rf:.2f} |",
+                flush=True,
+            )
+        return 0
+    if a.timeline:
+        for layers in a.timeline:
+            r = _fresh(["--row", "timeline", str(layers), "--size", a.size])
+            print(
+                f"\n{layers} layers: step first call {r['step_first_call_s']:.2f} s, "
+                f"report {r['report_s']:.2f} s\n"
+            )
+            print("| part | thread | start (s) | end (s) |")
+            print("|---|---|---|---|")
+            for part, thread, t0, t1 in r["log"]:
+                print(f"| {part} | {thread} | {t0:.2f} | {t1:.2f} |")
+        return 0
+    if a.fidelity:
+        print(
+            "\n| case | squared grad error, default / strict | shares removed, "
+            "default options | shares removed, no excess precision | max diff |"
+        )
+        print("|---|---|---|---|---|")
+        for name in _fidelity_cases():
+            r = _fresh(["--row", "fidelity", name])
+            d, st = r["default"], r["strict"]
+            diff = max(abs(d["shares"][k] - st["shares"][k]) for k in d["shares"])
+            print(
+                f"| {name} | {d['error']:.3e} / {st['error']:.3e} | "
+                f"{_shares(d['shares'])} | {_shares(st['shares'])} | "
+                f"{100 * diff:.1f} |",
                 flush=True,
             )
         return 0
