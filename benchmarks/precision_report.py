@@ -225,6 +225,7 @@ def fidelity_row(name: str) -> dict:
 
     loss, args, policy, scopes, override = _fidelity_cases()[name]
     g32 = jax.tree.leaves(jax.jit(jax.grad(loss))(*args))
+    g32 = [np.asarray(g, np.float64) for g in g32]
     cd = np.dtype(jnp.bfloat16)
     out = {"case": name}
     for label, options in (("default", None), ("strict", _STRICT)):
