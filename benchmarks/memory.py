@@ -307,6 +307,9 @@ def _skip_pairs() -> list:
     ]
 
 
+# 8-bit policies with every matmul quantized, the head's too
+_ALL_MATMULS = {"size_rule": None, "quantize_last_matmul": True}
+
 SLOPE_VARIANTS = [
     SlopeVariant("amp, f32 master, optax.adamw", "float32", _adamw),
     SlopeVariant("amp, bf16 params, plain optax.adamw", "bfloat16", _adamw),
@@ -356,27 +359,14 @@ SLOPE_VARIANTS = [
     # 8-bit matmuls (every one, the head's too) under the main job's
     # checkpointed layers: what the recompute saves besides the checkpoint's
     # inputs (the operands' amaxes).
-    SlopeVariant(
-        "amp FP8 matmuls, f32 master, optax.adamw",
-        "float32",
-        _adamw,
-        amp_kwargs=(
-            (
-                "amp_policy",
-                jaxamp.fp8_policy(size_rule=None, quantize_last_matmul=True),
-            ),
-        ),
-    ),
-    SlopeVariant(
-        "amp int8 matmuls, f32 master, optax.adamw",
-        "float32",
-        _adamw,
-        amp_kwargs=(
-            (
-                "amp_policy",
-                jaxamp.int8_policy(size_rule=None, quantize_last_matmul=True),
-            ),
-        ),
+    *(
+        SlopeVariant(
+            f"amp {name} matmuls, f32 master, optax.adamw",
+            "float32",
+            _adamw,
+            amp_kwargs=(("amp_policy", make(**_ALL_MATMULS)),),
+        )
+        for name, make in (("FP8", jaxamp.fp8_policy), ("int8", jaxamp.int8_policy))
     ),
     *_skip_pairs(),
 ]
