@@ -20,7 +20,8 @@ the H100), the instructions that carry each rounding or 8-bit kernel:
    calls) survive, none runs as a float dot of upcast 8-bit values.
    ``residual_dtype``: in a ``lax.scan`` stack, the activations the forward loop
    hands the backward loop are 8-bit buffers; in a flat MLP the int8 and FP8
-   codes survive and are buffers between the forward and backward kernels
+   codes (where the rule chooses FP8: a tanh head's input) survive and are
+   buffers between the forward and backward kernels
    (the encoding's optimization barrier: without it XLA:GPU deletes the FP8
    round trip and fuses the int8 encoding into its decoding).
 3. ``attention_rule("cudnn")``: ``jax.nn.dot_product_attention`` reaches cuDNN's
@@ -370,30 +371,56 @@ def test_scan_residuals_are_8bit(residual_dtype, stored):
         assert loops[1][dt] == n
 
 
-@pytest.mark.parametrize(
-    "residual_dtype,dtype",
-    [("int8", "s8"), (jnp.float8_e4m3fn, "f8e4m3fn")],
-    ids=["int8", "e4m3"],
-)
-def test_flat_mlp_residual_codes_survive(residual_dtype, dtype):
-    pre, post = programs(mlp_grad(residual_dtype=residual_dtype), MLP, X)
-    # int8: gelu's input and the square's input; e4m3: the square's input
-    want = 2 if dtype == "s8" else 1
-    assert pre.count(_convert_to(dtype)) == want
-    assert post.count(_convert_to(dtype)) == want
+def tanh_mlp_loss(p, x):
+    return jnp.mean(jnp.tanh(jax.nn.gelu(x @ p["w1"]) @ p["w2"]))
 
 
-@pytest.mark.parametrize(
-    "residual_dtype,dtype", [("int8", "s8["), (jnp.float8_e4m3fn, "f8e4m3fn[")]
-)
-def test_flat_mlp_residual_codes_reach_memory(residual_dtype, dtype):
+# (model, residual_dtype) -> the residual codes the flat MLP's gradient stores,
+# by HLO element type (_residuals.residual_rule, _compressed.bind_compressed):
+# - int8 stores every saved activation in int8: gelu's input and the squared
+#   loss's input.
+# - E4M3 on the squared loss stores no E4M3 code: the square's input is saved
+#   in its product form, int8 (its derivative 2 h g passes FP8's error undamped
+#   into every gradient: _compressed._is_square), and gelu's input stays bf16
+#   (w2's weight gradient reads gelu's output, which FP8 keeps in the compute
+#   dtype: QFormat.stores_products; it is recomputed from gelu's input, so one
+#   bf16 buffer serves both derivatives and an E4M3 copy would only add bytes).
+# - E4M3 is the chosen form for the input of a non-linearity no product reads:
+#   a tanh head's input (the last matmul's output; mean reads no value).
+FLAT_CASES = {
+    ("squared", "int8"): {"s8": 2, "f8e4m3fn": 0},
+    ("squared", "e4m3"): {"s8": 1, "f8e4m3fn": 0},
+    ("tanh", "e4m3"): {"s8": 0, "f8e4m3fn": 1},
+}
+FLAT_LOSSES = {"squared": mlp_loss, "tanh": tanh_mlp_loss}
+FLAT_IDS = [f"{model}-{rd}" for model, rd in FLAT_CASES]
+
+
+def flat_grad(model: str, residual_dtype: str):
+    rd = jnp.float8_e4m3fn if residual_dtype == "e4m3" else residual_dtype
+    f = jaxamp.amp(FLAT_LOSSES[model], compute_dtype=BF16, residual_dtype=rd)
+    return jax.grad(f)
+
+
+@pytest.mark.parametrize("model,residual_dtype", list(FLAT_CASES), ids=FLAT_IDS)
+def test_flat_mlp_residual_codes_survive(model, residual_dtype):
+    pre, post = programs(flat_grad(model, residual_dtype), MLP, X)
+    for dtype, want in FLAT_CASES[model, residual_dtype].items():
+        assert pre.count(_convert_to(dtype)) == want, dtype
+        assert post.count(_convert_to(dtype)) == want, dtype
+
+
+@pytest.mark.parametrize("model,residual_dtype", list(FLAT_CASES), ids=FLAT_IDS)
+def test_flat_mlp_residual_codes_reach_memory(model, residual_dtype):
     # The codes are buffers between the forward and the backward kernels (the
     # encoding ends in an optimization barrier): XLA neither fuses the
     # encoding into its decoding, which would keep the activation alive
-    # instead, nor deletes an FP8 round trip.
-    post = compiled(mlp_grad(residual_dtype=residual_dtype), MLP, X)
+    # instead, nor deletes an FP8 round trip. A format the rule does not
+    # choose on the model is in no buffer.
+    post = compiled(flat_grad(model, residual_dtype), MLP, X)
     entry = post.comps[post.entry].values()  # the buffers between kernels
-    assert any(dtype in ins.type for ins in entry)
+    for dtype, want in FLAT_CASES[model, residual_dtype].items():
+        assert any(f"{dtype}[" in ins.type for ins in entry) == (want > 0), dtype
 
 
 # --- 3. fused attention ------------------------------------------------------
