@@ -3,9 +3,16 @@ dtype promotion.
 
 Strict promotion (``jax_numpy_dtype_promotion="strict"``) makes any silent upcast
 in jaxamp or in the tests fail loudly instead of hiding a dtype bug.
+
+Compile-target tests (``tests/test_*_target.py``: an H100 or a TPU compiled for
+on this CPU) skip, with the install line as reason, where the target's compiler
+(the CUDA plugin, libtpu) is not installed. With ``JAXAMP_REQUIRE_TARGETS=1``
+(what ``.ci/run`` sets on the leg that installs them) such a skip is a failure:
+a target test that cannot run in CI would check nothing there.
 """
 
 import os
+import re
 
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
@@ -34,3 +41,45 @@ import jax  # noqa: E402
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_platforms", "cpu")
+
+
+# --- compile targets: a skip is a failure under JAXAMP_REQUIRE_TARGETS=1 ---------
+
+import pytest  # noqa: E402
+
+TARGET_MODULE = re.compile(r"test_\w+_target\.py$")
+REQUIRE_TARGETS = "JAXAMP_REQUIRE_TARGETS"
+
+
+def _targets_required(path) -> bool:
+    """A compile-target test module, run where its targets must run."""
+    required = os.environ.get(REQUIRE_TARGETS, "") not in ("", "0")
+    return required and TARGET_MODULE.search(str(path)) is not None
+
+
+def _as_failure(report) -> None:
+    """Turn a skip's report into a failure's, with the skip's reason."""
+    skip = report.longrepr  # (path, line, "Skipped: reason") for a skip
+    reason = skip[-1] if isinstance(skip, tuple) else str(skip)
+    report.outcome = "failed"
+    report.longrepr = (
+        f"{REQUIRE_TARGETS}=1: compile-target tests must run here, but this one "
+        f"was skipped ({reason})"
+    )
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    xfail = hasattr(report, "wasxfail")  # an expected failure is not a skip
+    if report.skipped and not xfail and _targets_required(item.path):
+        _as_failure(report)
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    report = yield  # a module skipped as a whole (allow_module_level, importorskip)
+    if report.skipped and _targets_required(collector.path):
+        _as_failure(report)
+    return report
