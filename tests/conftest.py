@@ -37,6 +37,12 @@ if "xla_llvm_disable_expensive_passes" not in os.environ["XLA_FLAGS"]:
         "--xla_cpu_use_fusion_emitters=false --xla_llvm_disable_expensive_passes"
     )
 
+# libtpu, loaded to compile for a TPU (tests/test_*_target.py; no chip is
+# used), takes a machine-wide lock (/tmp/libtpu_lockfile): a second process
+# that loads it, another pytest-xdist worker, aborts ("Internal error when
+# accessing libtpu multi-process lockfile") unless allowed to share it.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
 import jax  # noqa: E402
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
