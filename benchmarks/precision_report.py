@@ -9,12 +9,14 @@ scope whose fix buys the most.
     python benchmarks/precision_report.py --timeline 4 --timeline 24
     python benchmarks/precision_report.py --fidelity
 
-**Depth sweep** (``--depth``): the report's time against the first call
-(trace, compile, run) of the jitted amp training step of the same model, in
-one process, side by side. The model is the scoped reference GPT
+**Depth sweep** (``--depth``): against the first call (trace, compile, run)
+of the jitted amp training step of the same model, in one process, side by
+side: ``precision_report(...)`` then ``report.top()`` (the ranking alone),
+then the full report (``str(report)``, whose equation table runs the
+per-equation analysis). The model is the scoped reference GPT
 (``common.gpt_loss(scopes=True)``, as ``benchmarks/quantized.py``'s: layers in
 ``lax.scan``, named scopes ``attn`` / ``mlp`` / ``head``) at width 256, seq
-128, batch 8 (size S) with 4, 12 or 24 layers, under bf16 (the default
+128, batch 8 with 4, 12 or 24 layers, under bf16 (the default
 policy). Each row runs in a fresh process (JAX started by one tiny jitted call
 first). Other processes may
 share the CPU: compare the ratio, not absolute times.
@@ -90,14 +92,20 @@ def depth_row(layers: int, width: int = 256, seq: int = 128, batch: int = 8) -> 
     step = time.perf_counter() - t0
     t0 = time.perf_counter()
     report = jaxamp.precision_report(loss, params, x, y, compute_dtype=jnp.bfloat16)
+    top = report.top(1)[0]
+    ranked = time.perf_counter() - t0
+    text = str(report)  # the printout: its equation table runs the analysis
     took = time.perf_counter() - t0
     return {
         "layers": layers,
         "size": [width, seq, batch],
         "step_first_call_s": step,
+        "top_s": ranked,
+        "top_ratio": ranked / step,
         "report_s": took,
         "ratio": took / step,
-        "top": report.top(1)[0],
+        "printout_lines": len(text.splitlines()),
+        "top": top,
         "ranking": report.ranking,
         "grad_error": report.grad_error,
         "records": len(report.records),
@@ -286,7 +294,7 @@ def ranking_row(name: str) -> dict:
         loss, params, x, y, compute_dtype=jnp.bfloat16, amp_policy=policy
     )
     took = time.perf_counter() - t0
-    paths = sorted({r.scope for r in report.records})
+    paths = report.paths
     est = {k: v for k, v in report.scopes("grad").items() if k}
     measured = {}
     for path in est:
@@ -349,7 +357,7 @@ def main(argv=None) -> int:
         "--size",
         default="256,128,8",
         type=_size_arg,
-        help="depth sweep's width,seq,batch (default 256,128,8: size S)",
+        help="depth sweep's width,seq,batch (default 256,128,8)",
     )
     p.add_argument(
         "--timeline",
@@ -429,18 +437,19 @@ def main(argv=None) -> int:
         return 0
     if not a.ranking:
         print(
-            "\n| layers | step first call (s) | report (s) | ratio | records "
-            "| top scope | grad error |"
+            "\n| layers | step first call (s) | report + top() (s) | ratio "
+            "| full report: + printout (s) | ratio | records | top scope "
+            "| grad error |"
         )
-        print("|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|")
         ratios = {}
         for layers in a.depth or [4, 12, 24]:
             r = _fresh(["--row", "depth", str(layers), "--size", a.size])
             ratios[layers] = r["ratio"]
             print(
-                f"| {layers} | {r['step_first_call_s']:.2f} | {r['report_s']:.2f} | "
-                f"{r['ratio']:.2f}x | {r['records']} | {r['top']} | "
-                f"{r['grad_error']:.2e} |",
+                f"| {layers} | {r['step_first_call_s']:.2f} | {r['top_s']:.2f} | "
+                f"{r['top_ratio']:.2f}x | {r['report_s']:.2f} | {r['ratio']:.2f}x | "
+                f"{r['records']} | {r['top']} | {r['grad_error']:.2e} |",
                 flush=True,
             )
         lo, hi = min(ratios), max(ratios)

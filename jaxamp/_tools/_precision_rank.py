@@ -29,6 +29,7 @@ from ._precision_walk import (
     Site,
     _float_inputs,
     _float_outs,
+    amp_step,
     traverse,
 )
 
@@ -243,6 +244,64 @@ def estimated(effect: tuple) -> dict:
     return {"grad": grad, "loss": loss}
 
 
+class _ScopeVisitor(DiffVisitor):
+    """:class:`DiffVisitor`'s sites without their statistics: what the
+    ranking needs of the walk (which scopes amp runs in reduced precision)."""
+
+    def leaf(self, eqn, facts, ctx, scopes, iteration, invals):
+        x32, xa = [v[0] for v in invals], [v[1] for v in invals]
+        y32 = bind_eqn(eqn, x32)
+        ya = amp_step(eqn, facts, ctx, xa)
+        site = Site(eqn, facts, ctx, scopes, iteration, x32, y32, y32, ya)
+        site.order = (self.n,)
+        self.n += 1
+        self.sites.append(site)
+        return list(zip(y32, ya))
+
+
+def _chosen(sites: list, fmt: Callable) -> list[bool]:
+    """Per site, whether amp runs it in reduced precision (``fmt(site)[1]``)
+    with a float input and a float output: the sites probed and ranked."""
+    return [
+        bool(_float_outs(st.y32)) and bool(_float_inputs(st)) and fmt(st)[1]
+        for st in sites
+    ]
+
+
+def _scope_box(sites: list, chosen: list, fmt: Callable) -> dict:
+    """The scope paths of the ``chosen`` sites (``"scopes"``), those the
+    ranking measures (``"measure"``), every site's path (``"paths"``), the
+    formats per path (``"formats"``) and whether the first-order estimate
+    shortlists the measured ones (``"shortlist"``)."""
+    names = [scope_path(st.scopes) for st in sites]
+    scopes = list(dict.fromkeys(n for n, c in zip(names, chosen) if c))
+    formats: dict = {}
+    for n, st, c in zip(names, sites, chosen):
+        if c:
+            formats.setdefault(n, set()).add(fmt(st)[0])
+    short = len([s for s in scopes if s]) > _precision_ablate.MAX_MEASURED
+    return dict(
+        scopes=scopes,
+        paths=sorted(set(names)),
+        formats=formats,
+        shortlist=short,
+        measure=[] if short else scopes,
+    )
+
+
+def find_scopes(core, consts, leaves, ctx, edge, fmt) -> dict:
+    """The walk traced on avals, without its statistics (no compile):
+    :func:`lower_walk`'s ``box`` without the sites."""
+    v = _ScopeVisitor(lambda site: fmt(site)[1])
+
+    def run(*xs):
+        pairs, cpairs = [(x, x) for x in xs], [(c, c) for c in consts]
+        traverse(v, core, cpairs, pairs, ctx, edge)
+
+    jax.eval_shape(run, *leaves)
+    return _scope_box(v.sites, _chosen(v.sites, fmt), fmt)
+
+
 def lower_walk(core, consts, leaves, wrt, ctx, edge, fmt, scale):
     """One function, lowered: the differential walk, the probed float32
     gradient (every site's cotangent), every reduced site's backward error
@@ -263,10 +322,7 @@ def lower_walk(core, consts, leaves, wrt, ctx, edge, fmt, scale):
         traverse(visitor, core, cpairs, pairs, ctx, edge)
         sites = visitor.sites
         shapes = probe_shapes(core, consts, xs, ctx, edge)
-        chosen = [
-            fmt(st)[1] and bool(o) and bool(i)
-            for st, o, i in zip(sites, shapes.shapes, shapes.in_shapes)
-        ]
+        chosen = _chosen(sites, fmt)
         # Probes only where amp's equation differs from float32's.
         fp0 = [
             [jnp.zeros(a.shape, a.dtype) for a in sh] if c else None
@@ -281,17 +337,10 @@ def lower_walk(core, consts, leaves, wrt, ctx, edge, fmt, scale):
         loss32, (g32, cts) = G(params, fp0, bp0)
         deltas = backward_deltas(sites, cts, chosen, scale)
         back = norms(sites, deltas)
+        box.update(_scope_box(sites, chosen, fmt), sites=sites)
         names = [scope_path(st.scopes) for st in sites]
-        scopes = list(dict.fromkeys(n for n, c in zip(names, chosen) if c))
-        formats: dict = {}
-        for n, st, c in zip(names, sites, chosen):
-            if c:
-                formats.setdefault(n, set()).add(fmt(st)[0])
-        short = len([s for s in scopes if s]) > _precision_ablate.MAX_MEASURED
-        box.update(sites=sites, scopes=scopes, paths=sorted(set(names)))
-        box.update(formats=formats, shortlist=short, measure=[] if short else scopes)
         effect = None
-        if short:
+        if box["shortlist"]:
             probed = lambda fp, bp: G(params, fp, bp)  # noqa: E731
             base = (loss32, g32)
             effect = scope_effects(names, sites, chosen, deltas, probed, base)[1]
