@@ -193,7 +193,6 @@ class Analysis:
     def __init__(self, trace: tuple, cache: dict, scale: float):
         self.trace, self.cache, self.scale = trace, cache, scale
         self.result: tuple | None = None
-        self.records_cache: list | None = None  # set by PrecisionReport.records
 
     def fmt(self, site: Site) -> tuple[str, bool]:
         """:func:`_format` of ``site``, cached."""

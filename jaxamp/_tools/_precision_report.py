@@ -18,11 +18,11 @@ same inputs in one differential walk (``_precision_walk.py``; loops walked as
 loops): per equation the *local* error (amp's equation fed the float32
 inputs, PyTorch's shadow loggers, ``torch.ao.ns._numeric_suite_fx``) and the
 *propagated* error (amp's value against float32's), grouped by
-``jax.named_scope`` path and loop iteration. Per equation, first-order shares from one backward pass (every
-site's float32 cotangent ``g = dL/dy``): ``|<g, y_local - y_32>|`` for the
-loss and ``|VJP_amp(x_32; g) - VJP_32(x_32; g)|`` (the local error of the
-backward pass amp runs for it) for the gradient. The plain-text table and
-the PNG are in ``_precision_plot.py``.
+``jax.named_scope`` path and loop iteration. Per equation, first-order shares
+from one backward pass (every site's float32 cotangent ``g = dL/dy``):
+``|<g, y_local - y_32>|`` for the loss and ``|VJP_amp(x_32; g) - VJP_32(x_32;
+g)|`` (the local error of the backward pass amp runs for it) for the
+gradient. The plain-text table and the PNG are in ``_precision_plot.py``.
 """
 
 from __future__ import annotations
@@ -326,6 +326,7 @@ def _assemble(runner, analysis, box, group_depth, amp_out, effect, sums):
     if effect is not None and meas_sq:
         fit = (effect[4] / meas_sq) ** 0.5
     return PrecisionReport(
+        records=None,
         loss32=r.loss32,
         loss=float(lossa),
         grad_errors=_group_errors(*sums, names),
@@ -377,6 +378,11 @@ class PrecisionReport:
     table, :meth:`save` and :meth:`to_json`) runs on first use, once.
 
     Attributes:
+        records: one :class:`SiteRecord` per equation instance, in the order
+            an unrolled walk visits them. The first read runs the per-equation
+            analysis (one compile and run of the differential walk: about 3x
+            the step's first call on ``benchmarks/precision_report.py``'s
+            depth GPT); later reads reuse it.
         loss32: the float32 loss.
         loss: amp's loss.
         grad_errors: ``{"total": e, group: e, ...}``, amp's gradient relative
@@ -407,6 +413,7 @@ class PrecisionReport:
         analysis: the per-equation analysis (:attr:`records`).
     """
 
+    records: list | None = dataclasses.field(repr=False, compare=False)
     loss32: float
     loss: float
     grad_errors: dict
@@ -422,19 +429,6 @@ class PrecisionReport:
     paths: list = dataclasses.field(default_factory=list)
     formats: dict = dataclasses.field(default_factory=dict)
     analysis: Any = dataclasses.field(default=None, repr=False)
-
-    @property
-    def records(self) -> list[SiteRecord]:
-        """One :class:`SiteRecord` per equation instance, in the order an
-        unrolled walk visits them. The first access runs the per-equation
-        analysis (one compile and run of the differential walk, about 3x the
-        step's first call on ``benchmarks/precision_report.py``'s depth
-        GPT); later ones reuse it."""
-        if self.analysis.records_cache is None:
-            g32 = jax.tree.leaves(self.grads32)
-            norm = sum(float(np.sum(np.square(g, dtype=np.float64))) for g in g32)
-            self.analysis.records_cache = self.analysis.records(norm**0.5)
-        return self.analysis.records_cache
 
     @property
     def grad_error(self) -> float:
@@ -496,3 +490,23 @@ class PrecisionReport:
 
     def __str__(self) -> str:
         return _precision_plot.text(self)
+
+
+def _records(self: PrecisionReport) -> list[SiteRecord]:
+    if self._records is None and self.analysis is not None:
+        g32 = jax.tree.leaves(self.grads32)
+        sq = sum(float(np.sum(np.square(g, dtype=np.float64))) for g in g32)
+        self._records = self.analysis.records(sq**0.5)
+    return self._records
+
+
+def _set_records(self: PrecisionReport, value: list | None) -> None:
+    self._records = value
+
+
+# A property over the dataclass field: ``PrecisionReport(records, ...)`` still
+# takes the records, and a report made by ``precision_report`` (records None)
+# runs its analysis when they are first read.
+PrecisionReport.records = property(  # type: ignore[assignment]
+    _records, _set_records, doc=":class:`SiteRecord` per equation instance."
+)
