@@ -41,7 +41,9 @@ def probe_shapes(core, consts, leaves, ctx, edge) -> ProbeVisitor:
     return v
 
 
-def probed_gradient(core, consts, leaves, wrt, ctx, edge, counts) -> Callable:
+def probed_gradient(
+    core, consts, leaves, wrt, ctx, edge, counts, with_params: bool = True
+) -> Callable:
     """``G(params, probes, back) -> (loss, (gradient, cotangents))``: the
     float32 loss with ``probes`` added to the sites' float outputs, its
     gradient w.r.t. ``params`` (the leaves ``wrt``) with ``back`` added to
@@ -59,7 +61,11 @@ def probed_gradient(core, consts, leaves, wrt, ctx, edge, counts) -> Callable:
         ctx: the amp context (only its pipeline is read: the facts).
         edge: the facts boundary of the function's outputs.
         counts: :attr:`ProbeVisitor.counts` of a :func:`probe_shapes` pass.
+        with_params: differentiate w.r.t. ``params`` too; without, the
+            gradient is None (the cotangents alone skip the weight-gradient
+            products of the backward pass).
     """
+    argnums = (0, 1) if with_params else (1,)
 
     def loss(params, probes, back):
         args = list(leaves)
@@ -70,8 +76,8 @@ def probed_gradient(core, consts, leaves, wrt, ctx, edge, counts) -> Callable:
         return out + v.extra, out
 
     def G(params, probes, back):
-        grads, out = jax.grad(loss, (0, 1), has_aux=True)(params, probes, back)
-        return out, grads
+        grads, out = jax.grad(loss, argnums, has_aux=True)(params, probes, back)
+        return out, grads if with_params else (None, *grads)
 
     return G
 
@@ -332,12 +338,16 @@ def lower_walk(core, consts, leaves, wrt, ctx, edge, fmt, scale):
             [jnp.zeros(a.shape, jnp.float32) for a in sh] if c else None
             for sh, c in zip(shapes.in_shapes, chosen)
         ]
-        G = probed_gradient(core, consts, xs, wrt, ctx, edge, shapes.counts)
+        box.update(_scope_box(sites, chosen, fmt), sites=sites)
+        # The parameters' float32 gradient only for the first-order estimate
+        # (the ranking compares against the float32 step's).
+        G = probed_gradient(
+            core, consts, xs, wrt, ctx, edge, shapes.counts, box["shortlist"]
+        )
         params = [xs[i] for i in wrt]
         loss32, (g32, cts) = G(params, fp0, bp0)
         deltas = backward_deltas(sites, cts, chosen, scale)
         back = norms(sites, deltas)
-        box.update(_scope_box(sites, chosen, fmt), sites=sites)
         names = [scope_path(st.scopes) for st in sites]
         effect = None
         if box["shortlist"]:
@@ -354,9 +364,9 @@ def lower_walk(core, consts, leaves, wrt, ctx, edge, fmt, scale):
 def run_walk(lowered: Any, box: dict) -> tuple:
     """Compile and run :func:`lower_walk`'s function: the sites (their
     values concrete, one per loop iteration), their statistics, the float32
-    gradient, the float32 loss, the backward errors and the first-order
-    effect ``(scopes, loss change, <model total, change>, |change|^2,
-    |model total|^2)`` (None when not estimated)."""
+    gradient (None unless estimated), the float32 loss, the backward errors
+    and the first-order effect ``(scopes, loss change, <model total,
+    change>, |change|^2, |model total|^2)`` (None when not estimated)."""
     compiled = _compat.compile_analysis(lowered)
     loss32, back, stats, g32, effect = compiled(box["leaves"])
     sites, stats, back = per_iteration(box["sites"], stats, back)
