@@ -74,13 +74,16 @@ per part. The JSON holds the same figures (``meta``, ``parts``). Exit status 1
 if a part raised (its traceback is printed and recorded), 2 without a GPU and
 without ``--dry-run``.
 
-``--dry-run`` (CPU, about 25 s of CPU time): every part at tiny sizes
+``--dry-run`` (CPU, under a minute on 2 cores): every part at tiny sizes
 (``gpu_attention.py``'s ``tiny``; the main job at width 32 and 3 steps), the
 8-bit policies on every matmul (``size_rule=None``), gpt1024 without the
-peers, the memory part on one shape with float32 master weights and int8
-state; XLA:CPU compiles without its MLIR fusion emitters and LLVM optimisation
-(7x faster compiles). It checks that every part runs and writes its figures;
-its timings are not measurements. ``tests/test_benchmarks.py`` runs it.
+peers, the memory part on one shape with float32 master weights, int8 state
+and float16 compiled (its other variants lowered), the precision rows in the
+suite's process, the 16k-token part's variants built at their size and
+measured with the 8-bit part's (``tiny``); XLA:CPU compiles without its MLIR
+fusion emitters and LLVM optimisation (7x faster compiles). It checks that
+every part runs and writes its figures; its timings are not measurements.
+``tests/test_benchmarks.py`` runs it.
 
 On the device machine (``run`` tool: JAX 0.11 with CUDA is preinstalled there;
 jmp and mpx travel as wheels in ``.whl``, made as docs/guide.md says; the
@@ -586,6 +589,14 @@ def main_job_step(variant, cfg: tc.Config) -> Callable:
 
 
 MEMORY_LAYERS = (4, 8)  # the two layer counts of the slope
+# The variants a dry run compiles, each with and without the skip wrapper; it
+# lowers the others (FP8 residuals, the Equinox form of the skip): each compile
+# costs seconds on a CPU.
+DRY_COMPILED = (
+    "amp bf16, f32 master,",
+    "amp, bf16 params + SR, int8 state,",
+    "amp float16 + dynamic scaling, f32 master,",
+)
 MEMORY_COLUMNS = [
     ("shape", "regime", "{}"),
     ("B per added param", "bytes_per_param", "{:.2f}"),
@@ -610,9 +621,20 @@ def part_memory(dry_run: bool, budget: Budget) -> dict:
         )
     regimes, variants = memory_regimes(dry_run), memory_variants()
     width = next(iter(regimes.values())).d_model
+    lowered_only = []
     if dry_run:  # compile only, but each compile costs seconds on the CPU
         variants = [v for v in variants if "bf16 state" not in v.name]
+        lowered_only = [
+            v
+            for v in variants
+            if not (v.name.startswith(DRY_COMPILED) and v.name.endswith("skip"))
+        ]
+        variants = [v for v in variants if v not in lowered_only]
     for regime, cfg in regimes.items():
+        for v in lowered_only:  # a dry run checks that they build
+            for n in layers:
+                step, args, donate = main_job_step(v, cfg)(n)
+                jax.jit(step, donate_argnums=donate).lower(*args)
         for v in variants:
             reason = budget.skip_reason(f"{v.name}, {regime}", last_s)
             if reason:
@@ -632,7 +654,11 @@ def part_memory(dry_run: bool, budget: Budget) -> dict:
         "",
         *ga.table(rows, MEMORY_COLUMNS),
     ]
-    return {"rows": rows, "md": lines, "skipped": skipped}
+    if lowered_only:
+        names = ", ".join(v.name for v in lowered_only)
+        lines += ["", f"Dry run: lowered at both layer counts, not compiled: {names}."]
+    out = {"rows": rows, "md": lines, "skipped": skipped}
+    return {**out, "lowered_only": [v.name for v in lowered_only]}
 
 
 # --- 5. compile time ----------------------------------------------------------------
@@ -725,8 +751,9 @@ PRECISION_COLUMNS = [
 
 def part_precision(dry_run: bool, budget: Budget) -> dict:
     """Part 4: ``benchmarks/precision_report.py``'s depth sweep at 4 and 24
-    scanned layers (dry run: 1 and 2 at width 32), each row in a fresh
-    process: the report's time over the jitted amp step's first call."""
+    scanned layers, each row in a fresh process (dry run: 1 and 2 at width
+    32, in this process): the report's time over the jitted amp step's first
+    call."""
     import precision_report as pr
 
     depths, size = ((1, 2), "32,16,2") if dry_run else ((4, 24), "256,128,8")
@@ -739,7 +766,10 @@ def part_precision(dry_run: bool, budget: Budget) -> dict:
             skipped.append(reason)
             continue
         t0 = time.perf_counter()
-        row = pr._fresh(["--row", "depth", str(layers), "--size", size])
+        if dry_run:  # in this process: a dry run checks, it does not time
+            row = pr.depth_row(layers, *(int(v) for v in size.split(",")))
+        else:
+            row = pr._fresh(["--row", "depth", str(layers), "--size", size])
         wall = time.perf_counter() - t0
         name = f"{layers} layer" + "s" * (layers > 1)
         rows.append({**row, "variant": name, "wall_s": wall})
