@@ -184,13 +184,14 @@ class Analysis:
         trace: ``(core, consts, leaves, wrt, ctx, edge)``: the float32 jaxpr of
             the flattened loss, its constants, its input leaves, the indices
             of the parameters among them, the amp context and the facts
-            boundary of its outputs (:func:`_precision_report._trace`).
+            boundary of its outputs (:func:`_precision_report._trace`); may be
+            set after construction, before :meth:`walk`.
         cache: the per-equation format cache (:func:`_format`), shared with
             the ranking's scope discovery.
         scale: the static loss scale of amp's backward pass.
     """
 
-    def __init__(self, trace: tuple, cache: dict, scale: float):
+    def __init__(self, trace: tuple | None, cache: dict, scale: float):
         self.trace, self.cache, self.scale = trace, cache, scale
         self.result: tuple | None = None
 

@@ -211,13 +211,17 @@ def precision_report(
     _check_loss(out[0] if has_aux else out)
     scale = float(loss_scale or (2.0**15 if cd == np.float16 else 1.0))
     # amp's steps are traced here, under the caller's JAX configuration.
-    trace = _trace(loss_fn, args, kwargs, cd, amp_policy, has_aux)
-    analysis = Analysis(trace, {}, scale)
-    core, consts, leaves, _, ctx, edge = trace
-    box = find_scopes(core, consts, leaves, ctx, edge, analysis.fmt)
     step = lambda p: _amp_step(loss_fn, args, kwargs, cd, p, has_aux, scale)  # noqa: E731
     ref = _f32_step(loss_fn, args, kwargs, has_aux)
-    todo, (loss32, g32), (lossa, ga), runs = _rank(step, ref, box, amp_policy, analysis)
+    analysis = Analysis(None, {}, scale)
+
+    def scopes() -> dict:  # traced while the float32 and amp's steps compile
+        analysis.trace = _trace(loss_fn, args, kwargs, cd, amp_policy, has_aux)
+        core, consts, leaves, _, ctx, edge = analysis.trace
+        return find_scopes(core, consts, leaves, ctx, edge, analysis.fmt)
+
+    ranked = _rank(step, ref, scopes, amp_policy, analysis)
+    todo, (loss32, g32), (lossa, ga), runs, box = ranked
     sums = _sums(ga, g32)
     runner = _precision_suggest.Runner(
         loss_fn, args, kwargs, cd, amp_policy, has_aux, scale, g32, loss32,
@@ -246,16 +250,20 @@ def _f32_step(fn, args, kwargs, has_aux) -> tuple:
     return jax.jit(step).lower(dynamic), dynamic
 
 
-def _rank(step, ref, box, policy, analysis) -> tuple:
+def _rank(step, ref, scopes, policy, analysis) -> tuple:
     """Run the ranking's steps: ``(plan, float32's (loss, gradient), amp's,
-    the measured scopes' in the plan's order)``. ``step(policy)`` lowers
+    the measured scopes' in the plan's order, what the scope discovery
+    found)``. ``ref`` is the float32 step, lowered; ``step(policy)`` lowers
     amp's step under ``policy`` (traced here); each lowered step is compiled
-    and run in a second thread, in order, while the next one is traced (XLA
-    releases Python's lock). Past ``MAX_MEASURED`` scopes the per-equation
-    ``analysis`` runs here meanwhile, and its first-order estimate picks the
-    scopes measured (:func:`_precision_ablate.plan`)."""
+    and run in a second thread, in order, while the next one (and the scope
+    discovery, ``scopes()``: :func:`_precision_rank.find_scopes`) is traced
+    (XLA releases Python's lock). Past ``MAX_MEASURED`` scopes the
+    per-equation ``analysis`` runs here meanwhile, and its first-order
+    estimate picks the scopes measured (:func:`_precision_ablate.plan`)."""
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        jobs = [pool.submit(_ablate.run_step, j) for j in (ref, step(policy))]
+        jobs = [pool.submit(_ablate.run_step, ref)]
+        jobs.append(pool.submit(_ablate.run_step, step(policy)))
+        box = scopes()
         best = box["measure"]
         if box["shortlist"]:
             est = estimated(analysis.walk()[5])["grad"]
@@ -265,7 +273,7 @@ def _rank(step, ref, box, policy, analysis) -> tuple:
         todo = _ablate.plan(best, box["paths"], box["formats"], policy)
         jobs += [pool.submit(_ablate.run_step, step(p)) for p, _, _ in todo.values()]
         ref_out, base, *runs = [j.result() for j in jobs]
-    return todo, ref_out, base, runs
+    return todo, ref_out, base, runs, box
 
 
 def _ranked(out, box, todo, runs, sums, effect) -> PrecisionReport:
