@@ -148,29 +148,17 @@ def precision_report(
     """Where ``amp(loss_fn)`` loses accuracy against float32, per equation,
     ``named_scope`` path, scan iteration and parameter group.
 
-    What runs when (each step traced in the caller's thread, compiled and run
-    in a second thread while the next is traced):
-
-    * here, the ranking (:meth:`PrecisionReport.scopes`, :meth:`~PrecisionReport.top`,
-      :meth:`~PrecisionReport.suggest`): one abstract trace of the walk (the
-      scope paths whose equations amp runs in reduced precision), then the
-      float32 step and amp's step under ``amp_policy``, then per scope amp's
-      step with that scope alone in higher precision: ``k`` scopes, ``k + 2``
-      compiles and runs of a jitted step (XLA's default options) and ``k + 2``
-      host gradients. On the depth GPT of ``benchmarks/precision_report.py
-      --depth`` (2-core CPU, 3 scopes) this is about 3.5x the first call of
-      the user's jitted step (``benchmarks/RESULTS_PRECISION.md``).
-    * on first use of :attr:`PrecisionReport.records` (the printout's
-      equation table, :meth:`~PrecisionReport.save`,
-      :meth:`~PrecisionReport.to_json`), once: the per-equation analysis, one
-      compiled function holding the float32 and the amp step on the same
-      inputs in one differential walk (``jaxamp/_tools/_precision_walk.py``;
-      a loop's body traced once), one backward pass for every equation's
-      float32 cotangent and each equation's backward pass at the float32
-      point; about 3x the step's first call on the same model.
-    * past ``_precision_ablate.MAX_MEASURED`` scopes, the analysis runs here
-      too: its first-order estimate shortlists the scopes measured
-      (:attr:`PrecisionReport.ranking`).
+    Here, the ranking (:meth:`PrecisionReport.scopes`, ``top``, ``suggest``):
+    an abstract trace of the walk finds the scopes amp runs in reduced
+    precision; the float32 step, amp's step and amp's step per scope alone in
+    higher precision are compiled (XLA's default options) and run in a second
+    thread while the next is traced: ``k`` scopes, ``k + 2`` compiles and runs.
+    On the first read of :attr:`PrecisionReport.records` (the printout,
+    ``save``, ``to_json``), once: the per-equation analysis, one compiled
+    differential walk (``jaxamp/_tools/_precision_records.py``). Past
+    ``_precision_ablate.MAX_MEASURED`` scopes the analysis runs here, its
+    first-order estimate shortlisting the scopes measured. Measured costs:
+    ``docs/guide.md``, "Cost".
 
     Args:
         loss_fn: ``loss_fn(params, *rest, **kwargs)`` returning a float scalar
@@ -196,16 +184,7 @@ def precision_report(
         ValueError: if the loss is not a float scalar, ``compute_dtype`` is
             not a float dtype or ``group_depth`` is below 1.
     """
-    if not callable(loss_fn) or not args:
-        raise TypeError(
-            "precision_report(loss_fn, params, *batch): loss_fn must be callable "
-            f"and params given, got {type(loss_fn).__name__} and {len(args)} args."
-        )
-    if not (isinstance(group_depth, int) and group_depth >= 1):
-        raise ValueError(
-            f"precision_report(group_depth=...) must be an int >= 1, got "
-            f"{group_depth!r}; 1 groups parameters by their top-level keys."
-        )
+    _check_args(loss_fn, args, group_depth)
     cd = compute_dtype_or_default(compute_dtype)
     out = jax.eval_shape(lambda: loss_fn(*args, **kwargs))
     _check_loss(out[0] if has_aux else out)
@@ -217,8 +196,7 @@ def precision_report(
 
     def scopes() -> dict:  # traced while the float32 and amp's steps compile
         analysis.trace = _trace(loss_fn, args, kwargs, cd, amp_policy, has_aux)
-        core, consts, leaves, _, ctx, edge = analysis.trace
-        return find_scopes(core, consts, leaves, ctx, edge, analysis.fmt)
+        return find_scopes(*analysis.trace[:3], *analysis.trace[4:], analysis.fmt)
 
     ranked = _rank(step, ref, scopes, amp_policy, analysis)
     todo, (loss32, g32), (lossa, ga), runs, box = ranked
@@ -230,6 +208,19 @@ def precision_report(
     effect = analysis.result[5] if analysis.result is not None else None
     out = _assemble(runner, analysis, box, group_depth, (lossa, ga), effect, sums)
     return _ranked(out, box, todo, runs, sums, effect)
+
+
+def _check_args(loss_fn: Any, args: tuple, group_depth: Any) -> None:
+    if not callable(loss_fn) or not args:
+        raise TypeError(
+            "precision_report(loss_fn, params, *batch): loss_fn must be callable "
+            f"and params given, got {type(loss_fn).__name__} and {len(args)} args."
+        )
+    if not (isinstance(group_depth, int) and group_depth >= 1):
+        raise ValueError(
+            f"precision_report(group_depth=...) must be an int >= 1, got "
+            f"{group_depth!r}; 1 groups parameters by their top-level keys."
+        )
 
 
 def _f32_step(fn, args, kwargs, has_aux) -> tuple:
