@@ -157,8 +157,10 @@ def precision_report(
     ``save``, ``to_json``), once: the per-equation analysis, one compiled
     differential walk (``jaxamp/_tools/_precision_records.py``). Past
     ``_precision_ablate.MAX_MEASURED`` scopes the analysis runs here, its
-    first-order estimate shortlisting the scopes measured. Measured costs:
-    ``docs/guide.md``, "Cost".
+    first-order estimate shortlisting the scopes measured. Measured on the
+    depth GPT of ``benchmarks/precision_report.py --depth`` (3 scopes, 2-core
+    CPU under load): the ranking 4.3x to 5.7x the first call of the user's
+    jitted step, the analysis about 3x more (``docs/guide.md``, "Cost").
 
     Args:
         loss_fn: ``loss_fn(params, *rest, **kwargs)`` returning a float scalar
