@@ -31,10 +31,11 @@ a bf16 scope to float32, as ``suggest`` does), ``1 - (error /
 error_all)**2``; "max diff" is the largest difference of a scope's two
 shares, in points.
 
-**Timeline** (``--timeline``): one report on the depth sweep's model, each
-part (the analysis' trace, compile and run; each step's trace, and its compile
-and run) with the thread it ran in and its start and end, in seconds from the
-report's start: whether the second thread overlaps the analysis.
+**Timeline** (``--timeline``): one report and its printout on the depth
+sweep's model, each part (each step's trace, and its compile and run; the
+scope discovery; the analysis' trace, compile and run) with the thread it ran
+in and its start and end, in seconds from the report's start: what the second
+thread overlaps.
 
 **Fidelity** (``--fidelity``): how far an ablation's shares are a property of
 the policy and not of the compiled program: per case, the shares of a reference
@@ -121,7 +122,7 @@ def breakdown_row(
     under default options and under the analysis' fast ones
     (``_compat.compile_analysis``)."""
     from jaxamp import _compat
-    from jaxamp._tools import _precision_ablate, _precision_report
+    from jaxamp._tools import _precision_ablate, _precision_records, _precision_report
 
     loss, params, x, y = model(_size(width, layers, seq, batch))
     args, cd, policy = (params, x, y), np.dtype(jnp.bfloat16), jaxamp.default_amp_policy
@@ -130,7 +131,9 @@ def breakdown_row(
     jax.block_until_ready(jax.jit(jax.value_and_grad(f))(params, x, y))
     row = {"layers": layers, "step_first_call_s": time.perf_counter() - t0}
     t0 = time.perf_counter()
-    lowered, box = _precision_report._walk(loss, args, {}, cd, policy, False, {}, 1.0)
+    trace = _precision_report._trace(loss, args, {}, cd, policy, False)
+    analysis = _precision_records.Analysis(trace, {}, 1.0)
+    lowered, box = _precision_records.lower_walk(*trace, analysis.fmt, 1.0)
     t1 = time.perf_counter()
     compiled = _compat.compile_analysis(lowered)
     t2 = time.perf_counter()
@@ -162,7 +165,7 @@ def timeline_row(layers: int, width: int = 256, seq: int = 128, batch: int = 8) 
     import threading
 
     from jaxamp import _compat
-    from jaxamp._tools import _precision_ablate, _precision_report
+    from jaxamp._tools import _precision_ablate, _precision_records, _precision_report
 
     t_start, log = [0.0], []
 
@@ -178,18 +181,21 @@ def timeline_row(layers: int, width: int = 256, seq: int = 128, batch: int = 8) 
 
         setattr(module, name, wrapper)
 
-    logged(_precision_report, "_walk", "analysis trace")
+    logged(_precision_report, "_f32_step", "float32 step trace")
+    logged(_precision_report, "_amp_step", "amp step trace")
+    logged(_precision_report, "find_scopes", "scope discovery")
+    logged(_precision_ablate, "run_step", "step compile and run")
+    logged(_precision_records, "lower_walk", "analysis trace")
     logged(_compat, "compile_analysis", "analysis compile")
-    logged(_precision_report, "run_walk", "analysis compile and run")
-    logged(_precision_report, "_amp_step", "step trace")
-    logged(_precision_ablate, "run_steps", "steps compile and run")
+    logged(_precision_records, "run_walk", "analysis compile and run")
     loss, params, x, y = model(_size(width, layers, seq, batch))
     f = jaxamp.amp(loss, compute_dtype=jnp.bfloat16)
     t0 = time.perf_counter()
     jax.block_until_ready(jax.jit(jax.value_and_grad(f))(params, x, y))
     first = time.perf_counter() - t0
     t_start[0] = time.perf_counter()
-    jaxamp.precision_report(loss, params, x, y, compute_dtype=jnp.bfloat16)
+    report = jaxamp.precision_report(loss, params, x, y, compute_dtype=jnp.bfloat16)
+    str(report)  # the printout: the analysis
     took = time.perf_counter() - t_start[0]
     log.sort(key=lambda r: r[2])
     return {"layers": layers, "step_first_call_s": first, "report_s": took, "log": log}
