@@ -74,13 +74,16 @@ per part. The JSON holds the same figures (``meta``, ``parts``). Exit status 1
 if a part raised (its traceback is printed and recorded), 2 without a GPU and
 without ``--dry-run``.
 
-``--dry-run`` (CPU, about 25 s of CPU time): every part at tiny sizes
+``--dry-run`` (CPU, under a minute on 2 cores): every part at tiny sizes
 (``gpu_attention.py``'s ``tiny``; the main job at width 32 and 3 steps), the
 8-bit policies on every matmul (``size_rule=None``), gpt1024 without the
-peers, the memory part on one shape with float32 master weights and int8
-state; XLA:CPU compiles without its MLIR fusion emitters and LLVM optimisation
-(7x faster compiles). It checks that every part runs and writes its figures;
-its timings are not measurements. ``tests/test_benchmarks.py`` runs it.
+peers, the memory part on one shape with float32 master weights, int8 state
+and float16 compiled (its other variants lowered), the precision rows in the
+suite's process, the 16k-token part's variants built at their size and
+measured with the 8-bit part's (``tiny``); XLA:CPU compiles without its MLIR
+fusion emitters and LLVM optimisation (7x faster compiles). It checks that
+every part runs and writes its figures; its timings are not measurements.
+``tests/test_benchmarks.py`` runs it.
 
 On the device machine (``run`` tool: JAX 0.11 with CUDA is preinstalled there;
 jmp and mpx travel as wheels in ``.whl``, made as docs/guide.md says; the
@@ -242,8 +245,22 @@ def part_eight_bit(dry_run: bool, budget: Budget) -> dict:
 
 
 def part_eight_bit_16k(dry_run: bool, budget: Budget) -> dict:
-    """Part 1b: the same at 16k tokens a step (``gpt4096_16k``, batch 32)."""
+    """Part 1b: the same at 16k tokens a step (``gpt4096_16k``, batch 32). A
+    dry run builds the variants at that size (shapes only, no compile) and
+    measures them at ``tiny``, where part 1's dry run has measured them
+    already if it ran."""
+    if dry_run:  # the full size builds: its variants, its shapes
+        eight_bit_variants("gpt4096_16k", False, recipes=False)
+        x = jax.eval_shape(lambda: ga.init("gpt4096_16k"))[1]
+        if x.shape[0] * x.shape[1] < 16384:
+            raise ValueError(f"gpt4096_16k's batch has {x.shape} tokens, not 16k")
     return eight_bit_rows("tiny" if dry_run else "gpt4096_16k", dry_run, recipes=False)
+
+
+# Dry runs' rows of eight_bit_rows per (size, variant): a variant measured at
+# tiny size once, however many parts ask for it (figures of a dry run are not
+# measurements).
+_DRY_ROWS: dict[tuple[str, str], dict] = {}
 
 
 def eight_bit_rows(size: str, dry_run: bool, recipes: bool = True) -> dict:
@@ -252,6 +269,25 @@ def eight_bit_rows(size: str, dry_run: bool, recipes: bool = True) -> dict:
     share of its gradient jaxpr and its speed against bf16."""
     steps, rounds = (1, 1) if dry_run else (10, 5)
     found = eight_bit_variants(size, dry_run, recipes)
+    if dry_run and all((size, n) in _DRY_ROWS for n in found):
+        rows = [dict(_DRY_ROWS[size, n]) for n in found]
+    else:
+        rows = _eight_bit_measure(size, steps, rounds, found)
+    if dry_run:
+        _DRY_ROWS.update({(size, r["variant"]): dict(r) for r in rows})
+    note = (
+        "Dry run: every matmul quantized (`size_rule=None`), one step."
+        if dry_run
+        else "Default size rules (torchao's H100 crossovers); median of 5 "
+        "interleaved rounds of 10 steps."
+    )
+    md = [ga.size_heading(size), "", note, "", *ga.table(rows, EIGHT_BIT_COLUMNS)]
+    return {"size": size, "rows": rows, "md": md}
+
+
+def _eight_bit_measure(size: str, steps: int, rounds: int, found: dict) -> list:
+    """:func:`eight_bit_rows`' rows: ``gpu_attention.measure`` of ``found``
+    with each variant's 8-bit FLOP share and speed against bf16."""
     rows = ga.measure(size, steps, rounds, found=found)
     shapes = jax.eval_shape(lambda: ga.init(size))
     bf16 = next(r for r in rows if r["variant"] == "jaxamp bf16")
@@ -262,14 +298,7 @@ def eight_bit_rows(size: str, dry_run: bool, recipes: bool = True) -> dict:
         r["eight_bit_flop_share"] = jaxamp.tools.eight_bit_flop_share(grad)
         if "step_ms" in bf16:
             r["speedup_vs_bf16"] = bf16["step_ms"] / r["step_ms"]
-    note = (
-        "Dry run: every matmul quantized (`size_rule=None`), one step."
-        if dry_run
-        else "Default size rules (torchao's H100 crossovers); median of 5 "
-        "interleaved rounds of 10 steps."
-    )
-    md = [ga.size_heading(size), "", note, "", *ga.table(rows, EIGHT_BIT_COLUMNS)]
-    return {"size": size, "rows": rows, "md": md}
+    return rows
 
 
 # --- 1c. one GEMM: bf16 against FP8 and s8 ------------------------------------
@@ -560,6 +589,14 @@ def main_job_step(variant, cfg: tc.Config) -> Callable:
 
 
 MEMORY_LAYERS = (4, 8)  # the two layer counts of the slope
+# The variants a dry run compiles, each with and without the skip wrapper; it
+# lowers the others (FP8 residuals, the Equinox form of the skip): each compile
+# costs seconds on a CPU.
+DRY_COMPILED = (
+    "amp bf16, f32 master,",
+    "amp, bf16 params + SR, int8 state,",
+    "amp float16 + dynamic scaling, f32 master,",
+)
 MEMORY_COLUMNS = [
     ("shape", "regime", "{}"),
     ("B per added param", "bytes_per_param", "{:.2f}"),
@@ -584,9 +621,20 @@ def part_memory(dry_run: bool, budget: Budget) -> dict:
         )
     regimes, variants = memory_regimes(dry_run), memory_variants()
     width = next(iter(regimes.values())).d_model
+    lowered_only = []
     if dry_run:  # compile only, but each compile costs seconds on the CPU
         variants = [v for v in variants if "bf16 state" not in v.name]
+        lowered_only = [
+            v
+            for v in variants
+            if not (v.name.startswith(DRY_COMPILED) and v.name.endswith("skip"))
+        ]
+        variants = [v for v in variants if v not in lowered_only]
     for regime, cfg in regimes.items():
+        for v in lowered_only:  # a dry run checks that they build
+            for n in layers:
+                step, args, donate = main_job_step(v, cfg)(n)
+                jax.jit(step, donate_argnums=donate).lower(*args)
         for v in variants:
             reason = budget.skip_reason(f"{v.name}, {regime}", last_s)
             if reason:
@@ -606,7 +654,11 @@ def part_memory(dry_run: bool, budget: Budget) -> dict:
         "",
         *ga.table(rows, MEMORY_COLUMNS),
     ]
-    return {"rows": rows, "md": lines, "skipped": skipped}
+    if lowered_only:
+        names = ", ".join(v.name for v in lowered_only)
+        lines += ["", f"Dry run: lowered at both layer counts, not compiled: {names}."]
+    out = {"rows": rows, "md": lines, "skipped": skipped}
+    return {**out, "lowered_only": [v.name for v in lowered_only]}
 
 
 # --- 5. compile time ----------------------------------------------------------------
@@ -688,7 +740,9 @@ def part_compile(dry_run: bool, budget: Budget) -> dict:
 
 PRECISION_COLUMNS = [
     ("amp step first call s", "step_first_call_s", "{:.2f}"),
-    ("precision_report s", "report_s", "{:.2f}"),
+    ("report + top() s", "top_s", "{:.2f}"),
+    ("ratio", "top_ratio", "{:.2f}x"),
+    ("full report s", "report_s", "{:.2f}"),
     ("ratio", "ratio", "{:.2f}x"),
     ("records", "records", "{}"),
     ("top scope", "top", "{}"),
@@ -697,8 +751,9 @@ PRECISION_COLUMNS = [
 
 def part_precision(dry_run: bool, budget: Budget) -> dict:
     """Part 4: ``benchmarks/precision_report.py``'s depth sweep at 4 and 24
-    scanned layers (dry run: 1 and 2 at width 32), each row in a fresh
-    process: the report's time over the jitted amp step's first call."""
+    scanned layers, each row in a fresh process (dry run: 1 and 2 at width
+    32, in this process): the report's time over the jitted amp step's first
+    call."""
     import precision_report as pr
 
     depths, size = ((1, 2), "32,16,2") if dry_run else ((4, 24), "256,128,8")
@@ -711,7 +766,10 @@ def part_precision(dry_run: bool, budget: Budget) -> dict:
             skipped.append(reason)
             continue
         t0 = time.perf_counter()
-        row = pr._fresh(["--row", "depth", str(layers), "--size", size])
+        if dry_run:  # in this process: a dry run checks, it does not time
+            row = pr.depth_row(layers, *(int(v) for v in size.split(",")))
+        else:
+            row = pr._fresh(["--row", "depth", str(layers), "--size", size])
         wall = time.perf_counter() - t0
         name = f"{layers} layer" + "s" * (layers > 1)
         rows.append({**row, "variant": name, "wall_s": wall})
@@ -719,7 +777,9 @@ def part_precision(dry_run: bool, budget: Budget) -> dict:
     lines = [
         f"`benchmarks/precision_report.py`'s scoped GPT (layers in `lax.scan`, "
         f"scopes attn / mlp / head), width {width}, seq {seq}, batch {batch}, "
-        "bf16 default policy; each row in a fresh process. Ratio: report time "
+        "bf16 default policy; each row in a fresh process. Ratios: "
+        "`precision_report(...)` and `report.top()` (the ranking), then the "
+        "full report (its printout, which runs the per-equation analysis), "
         "over the jitted amp step's first call (trace, compile, run), in the "
         "same process.",
         "",
@@ -777,7 +837,7 @@ def run_parts(
             after_each(out)
             continue
         print(f"[{part.name}] {part.title} (~{need:.0f} s) ...", flush=True)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), _cpu_s()
         try:
             res = part.run(dry_run, budget)
         except Exception as e:
@@ -785,13 +845,29 @@ def run_parts(
             print(tb, flush=True)
             res = {"error": f"{type(e).__name__}: {e}", "traceback": tb}
         res["seconds"] = time.perf_counter() - t0
+        res["cpu_seconds"] = _cpu_s() - c0
         estimated, spent = estimated + est, spent + res["seconds"]
         for r in res.get("skipped", []):
             print(f"[{part.name}] {r}", flush=True)
-        print(f"[{part.name}] done in {res['seconds']:.1f} s", flush=True)
+        print(
+            f"[{part.name}] done in {res['seconds']:.1f} s "
+            f"({res['cpu_seconds']:.1f} s of CPU)",
+            flush=True,
+        )
         out[part.name] = res
         after_each(out)
     return out
+
+
+def _cpu_s() -> float:
+    """CPU seconds (user and system) of this process and its waited-for
+    children so far: a part's cost on a machine shared with other jobs,
+    where its wall time is not."""
+    import resource
+
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 # --- the report -----------------------------------------------------------------------

@@ -9,12 +9,14 @@ scope whose fix buys the most.
     python benchmarks/precision_report.py --timeline 4 --timeline 24
     python benchmarks/precision_report.py --fidelity
 
-**Depth sweep** (``--depth``): the report's time against the first call
-(trace, compile, run) of the jitted amp training step of the same model, in
-one process, side by side. The model is the scoped reference GPT
+**Depth sweep** (``--depth``): against the first call (trace, compile, run)
+of the jitted amp training step of the same model, in one process, side by
+side: ``precision_report(...)`` then ``report.top()`` (the ranking alone),
+then the full report (``str(report)``, whose equation table runs the
+per-equation analysis). The model is the scoped reference GPT
 (``common.gpt_loss(scopes=True)``, as ``benchmarks/quantized.py``'s: layers in
 ``lax.scan``, named scopes ``attn`` / ``mlp`` / ``head``) at width 256, seq
-128, batch 8 (size S) with 4, 12 or 24 layers, under bf16 (the default
+128, batch 8 with 4, 12 or 24 layers, under bf16 (the default
 policy). Each row runs in a fresh process (JAX started by one tiny jitted call
 first). Other processes may
 share the CPU: compare the ratio, not absolute times.
@@ -29,10 +31,11 @@ a bf16 scope to float32, as ``suggest`` does), ``1 - (error /
 error_all)**2``; "max diff" is the largest difference of a scope's two
 shares, in points.
 
-**Timeline** (``--timeline``): one report on the depth sweep's model, each
-part (the analysis' trace, compile and run; each step's trace, and its compile
-and run) with the thread it ran in and its start and end, in seconds from the
-report's start: whether the second thread overlaps the analysis.
+**Timeline** (``--timeline``): one report and its printout on the depth
+sweep's model, each part (each step's trace, and its compile and run; the
+scope discovery; the analysis' trace, compile and run) with the thread it ran
+in and its start and end, in seconds from the report's start: what the second
+thread overlaps.
 
 **Fidelity** (``--fidelity``): how far an ablation's shares are a property of
 the policy and not of the compiled program: per case, the shares of a reference
@@ -90,14 +93,20 @@ def depth_row(layers: int, width: int = 256, seq: int = 128, batch: int = 8) -> 
     step = time.perf_counter() - t0
     t0 = time.perf_counter()
     report = jaxamp.precision_report(loss, params, x, y, compute_dtype=jnp.bfloat16)
+    top = report.top(1)[0]
+    ranked = time.perf_counter() - t0
+    text = str(report)  # the printout: its equation table runs the analysis
     took = time.perf_counter() - t0
     return {
         "layers": layers,
         "size": [width, seq, batch],
         "step_first_call_s": step,
+        "top_s": ranked,
+        "top_ratio": ranked / step,
         "report_s": took,
         "ratio": took / step,
-        "top": report.top(1)[0],
+        "printout_lines": len(text.splitlines()),
+        "top": top,
         "ranking": report.ranking,
         "grad_error": report.grad_error,
         "records": len(report.records),
@@ -113,7 +122,7 @@ def breakdown_row(
     under default options and under the analysis' fast ones
     (``_compat.compile_analysis``)."""
     from jaxamp import _compat
-    from jaxamp._tools import _precision_ablate, _precision_report
+    from jaxamp._tools import _precision_ablate, _precision_records, _precision_report
 
     loss, params, x, y = model(_size(width, layers, seq, batch))
     args, cd, policy = (params, x, y), np.dtype(jnp.bfloat16), jaxamp.default_amp_policy
@@ -122,7 +131,9 @@ def breakdown_row(
     jax.block_until_ready(jax.jit(jax.value_and_grad(f))(params, x, y))
     row = {"layers": layers, "step_first_call_s": time.perf_counter() - t0}
     t0 = time.perf_counter()
-    lowered, box = _precision_report._walk(loss, args, {}, cd, policy, False, {}, 1.0)
+    trace = _precision_report._trace(loss, args, {}, cd, policy, False)
+    analysis = _precision_records.Analysis(trace, {}, 1.0)
+    lowered, box = _precision_records.lower_walk(*trace, analysis.fmt, 1.0)
     t1 = time.perf_counter()
     compiled = _compat.compile_analysis(lowered)
     t2 = time.perf_counter()
@@ -154,7 +165,7 @@ def timeline_row(layers: int, width: int = 256, seq: int = 128, batch: int = 8) 
     import threading
 
     from jaxamp import _compat
-    from jaxamp._tools import _precision_ablate, _precision_report
+    from jaxamp._tools import _precision_ablate, _precision_records, _precision_report
 
     t_start, log = [0.0], []
 
@@ -170,18 +181,21 @@ def timeline_row(layers: int, width: int = 256, seq: int = 128, batch: int = 8) 
 
         setattr(module, name, wrapper)
 
-    logged(_precision_report, "_walk", "analysis trace")
+    logged(_precision_report, "_f32_step", "float32 step trace")
+    logged(_precision_report, "_amp_step", "amp step trace")
+    logged(_precision_report, "find_scopes", "scope discovery")
+    logged(_precision_ablate, "run_step", "step compile and run")
+    logged(_precision_records, "lower_walk", "analysis trace")
     logged(_compat, "compile_analysis", "analysis compile")
-    logged(_precision_report, "run_walk", "analysis compile and run")
-    logged(_precision_report, "_amp_step", "step trace")
-    logged(_precision_ablate, "run_steps", "steps compile and run")
+    logged(_precision_records, "run_walk", "analysis compile and run")
     loss, params, x, y = model(_size(width, layers, seq, batch))
     f = jaxamp.amp(loss, compute_dtype=jnp.bfloat16)
     t0 = time.perf_counter()
     jax.block_until_ready(jax.jit(jax.value_and_grad(f))(params, x, y))
     first = time.perf_counter() - t0
     t_start[0] = time.perf_counter()
-    jaxamp.precision_report(loss, params, x, y, compute_dtype=jnp.bfloat16)
+    report = jaxamp.precision_report(loss, params, x, y, compute_dtype=jnp.bfloat16)
+    str(report)  # the printout: the analysis
     took = time.perf_counter() - t_start[0]
     log.sort(key=lambda r: r[2])
     return {"layers": layers, "step_first_call_s": first, "report_s": took, "log": log}
@@ -286,7 +300,7 @@ def ranking_row(name: str) -> dict:
         loss, params, x, y, compute_dtype=jnp.bfloat16, amp_policy=policy
     )
     took = time.perf_counter() - t0
-    paths = sorted({r.scope for r in report.records})
+    paths = report.paths
     est = {k: v for k, v in report.scopes("grad").items() if k}
     measured = {}
     for path in est:
@@ -349,7 +363,7 @@ def main(argv=None) -> int:
         "--size",
         default="256,128,8",
         type=_size_arg,
-        help="depth sweep's width,seq,batch (default 256,128,8: size S)",
+        help="depth sweep's width,seq,batch (default 256,128,8)",
     )
     p.add_argument(
         "--timeline",
@@ -429,18 +443,19 @@ def main(argv=None) -> int:
         return 0
     if not a.ranking:
         print(
-            "\n| layers | step first call (s) | report (s) | ratio | records "
-            "| top scope | grad error |"
+            "\n| layers | step first call (s) | report + top() (s) | ratio "
+            "| full report: + printout (s) | ratio | records | top scope "
+            "| grad error |"
         )
-        print("|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|")
         ratios = {}
         for layers in a.depth or [4, 12, 24]:
             r = _fresh(["--row", "depth", str(layers), "--size", a.size])
             ratios[layers] = r["ratio"]
             print(
-                f"| {layers} | {r['step_first_call_s']:.2f} | {r['report_s']:.2f} | "
-                f"{r['ratio']:.2f}x | {r['records']} | {r['top']} | "
-                f"{r['grad_error']:.2e} |",
+                f"| {layers} | {r['step_first_call_s']:.2f} | {r['top_s']:.2f} | "
+                f"{r['top_ratio']:.2f}x | {r['report_s']:.2f} | {r['ratio']:.2f}x | "
+                f"{r['records']} | {r['top']} | {r['grad_error']:.2e} |",
                 flush=True,
             )
         lo, hi = min(ratios), max(ratios)

@@ -295,12 +295,20 @@ def test_gpu_suite_dry_run(tmp_path):
         assert 2 < r["bytes_per_param"] < 100, r
     skipped = " ".join(parts["memory"]["skipped"])
     assert ("FP8 residuals" in skipped) != gpu_suite_has_residual_dtype()
+    # the dry run lowers (builds) the variants it does not compile
+    lowered = parts["memory"]["lowered_only"]
+    assert "amp, bf16 params + SR, int8 state, optimizer_update" in lowered
+    fp8_rows = [n for n in lowered if "FP8 residuals" in n]
+    assert len(fp8_rows) == (2 if gpu_suite_has_residual_dtype() else 0), lowered
+    assert not set(lowered) & set(mem)
 
     prec = parts["precision"]
     assert [r["layers"] for r in prec["rows"]] == [1, 2] and not prec["skipped"]
     for r in prec["rows"]:
         assert r["size"] == [32, 16, 2] and r["records"] > 0, r
         assert r["ratio"] == pytest.approx(r["report_s"] / r["step_first_call_s"])
+        assert r["top_ratio"] == pytest.approx(r["top_s"] / r["step_first_call_s"])
+        assert 0 < r["top_s"] < r["report_s"]  # the analysis runs after top()
         assert r["top"] in {"attn", "mlp", "head"}, r
     assert prec["ratio_growth"] == pytest.approx(
         prec["rows"][1]["ratio"] / prec["rows"][0]["ratio"]

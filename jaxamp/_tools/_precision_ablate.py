@@ -7,10 +7,10 @@ overridden, as AIMET's QuantAnalyzer enables one layer's quantizers at a time
 
 Each ablation is amp's own jitted step under the policy with one scope key
 added, lowered (traced) in the caller's thread and compiled and run in the
-report's second thread while the differential walk compiles and runs: ``k``
-measured scopes cost ``k`` compiles and runs of the step besides the baseline
-step's one. A compiled step is dropped once it has run, so at most one
-ablation executable and its gradient are alive beyond the ``k + 1`` gradients'
+report's second thread while the next one is traced: ``k`` measured scopes
+cost ``k`` compiles and runs of the step besides the baseline step's and the
+float32 step's. A compiled step is dropped once it has run, so at most one
+ablation executable and its gradient are alive beyond the ``k + 2`` gradients'
 squared-error sums the report keeps (numbers, not arrays). Past
 :data:`MAX_MEASURED` scopes the first-order estimate (the probed float32
 gradient, ``_precision_rank.scope_effects``) shortlists which ones are
@@ -112,12 +112,16 @@ def removal(base: tuple[float, float], runs: dict, ref: tuple[float, float]) -> 
     return {"grad": grad, "loss": loss}
 
 
+def run_step(job: tuple) -> tuple[float, list]:
+    """Compile (XLA's default options) and run a lowered step ``(lowered,
+    arguments)``: ``(loss, gradient leaves as numpy arrays)``. The executable
+    is dropped after its run."""
+    lowered, dynamic = job
+    loss, leaves = lowered.compile()(dynamic)
+    return float(loss), [np.asarray(x) for x in leaves]
+
+
 def run_steps(jobs: list) -> list[tuple[float, list]]:
-    """Compile and run each lowered step ``(lowered, arguments)`` in order:
-    ``(loss, gradient leaves as numpy arrays)`` per job. Each executable is
-    dropped after its run (one alive at a time)."""
-    out = []
-    for lowered, dynamic in jobs:
-        loss, leaves = lowered.compile()(dynamic)
-        out.append((float(loss), [np.asarray(x) for x in leaves]))
-    return out
+    """:func:`run_step` of each job, in order (one executable alive at a
+    time)."""
+    return [run_step(job) for job in jobs]

@@ -29,6 +29,7 @@ from ._precision_walk import (
     Site,
     _float_inputs,
     _float_outs,
+    amp_step,
     traverse,
 )
 
@@ -40,7 +41,9 @@ def probe_shapes(core, consts, leaves, ctx, edge) -> ProbeVisitor:
     return v
 
 
-def probed_gradient(core, consts, leaves, wrt, ctx, edge, counts) -> Callable:
+def probed_gradient(
+    core, consts, leaves, wrt, ctx, edge, counts, with_params: bool = True
+) -> Callable:
     """``G(params, probes, back) -> (loss, (gradient, cotangents))``: the
     float32 loss with ``probes`` added to the sites' float outputs, its
     gradient w.r.t. ``params`` (the leaves ``wrt``) with ``back`` added to
@@ -58,7 +61,11 @@ def probed_gradient(core, consts, leaves, wrt, ctx, edge, counts) -> Callable:
         ctx: the amp context (only its pipeline is read: the facts).
         edge: the facts boundary of the function's outputs.
         counts: :attr:`ProbeVisitor.counts` of a :func:`probe_shapes` pass.
+        with_params: differentiate w.r.t. ``params`` too; without, the
+            gradient is None (the cotangents alone skip the weight-gradient
+            products of the backward pass).
     """
+    argnums = (0, 1) if with_params else (1,)
 
     def loss(params, probes, back):
         args = list(leaves)
@@ -69,8 +76,8 @@ def probed_gradient(core, consts, leaves, wrt, ctx, edge, counts) -> Callable:
         return out + v.extra, out
 
     def G(params, probes, back):
-        grads, out = jax.grad(loss, (0, 1), has_aux=True)(params, probes, back)
-        return out, grads
+        grads, out = jax.grad(loss, argnums, has_aux=True)(params, probes, back)
+        return out, grads if with_params else (None, *grads)
 
     return G
 
@@ -243,6 +250,64 @@ def estimated(effect: tuple) -> dict:
     return {"grad": grad, "loss": loss}
 
 
+class _ScopeVisitor(DiffVisitor):
+    """:class:`DiffVisitor`'s sites without their statistics: what the
+    ranking needs of the walk (which scopes amp runs in reduced precision)."""
+
+    def leaf(self, eqn, facts, ctx, scopes, iteration, invals):
+        x32, xa = [v[0] for v in invals], [v[1] for v in invals]
+        y32 = bind_eqn(eqn, x32)
+        ya = amp_step(eqn, facts, ctx, xa)
+        site = Site(eqn, facts, ctx, scopes, iteration, x32, y32, y32, ya)
+        site.order = (self.n,)
+        self.n += 1
+        self.sites.append(site)
+        return list(zip(y32, ya))
+
+
+def _chosen(sites: list, fmt: Callable) -> list[bool]:
+    """Per site, whether amp runs it in reduced precision (``fmt(site)[1]``)
+    with a float input and a float output: the sites probed and ranked."""
+    return [
+        bool(_float_outs(st.y32)) and bool(_float_inputs(st)) and fmt(st)[1]
+        for st in sites
+    ]
+
+
+def _scope_box(sites: list, chosen: list, fmt: Callable) -> dict:
+    """The scope paths of the ``chosen`` sites (``"scopes"``), those the
+    ranking measures (``"measure"``), every site's path (``"paths"``), the
+    formats per path (``"formats"``) and whether the first-order estimate
+    shortlists the measured ones (``"shortlist"``)."""
+    names = [scope_path(st.scopes) for st in sites]
+    scopes = list(dict.fromkeys(n for n, c in zip(names, chosen) if c))
+    formats: dict = {}
+    for n, st, c in zip(names, sites, chosen):
+        if c:
+            formats.setdefault(n, set()).add(fmt(st)[0])
+    short = len([s for s in scopes if s]) > _precision_ablate.MAX_MEASURED
+    return dict(
+        scopes=scopes,
+        paths=sorted(set(names)),
+        formats=formats,
+        shortlist=short,
+        measure=[] if short else scopes,
+    )
+
+
+def find_scopes(core, consts, leaves, ctx, edge, fmt) -> dict:
+    """The walk traced on avals, without its statistics (no compile):
+    :func:`lower_walk`'s ``box`` without the sites."""
+    v = _ScopeVisitor(lambda site: fmt(site)[1])
+
+    def run(*xs):
+        pairs, cpairs = [(x, x) for x in xs], [(c, c) for c in consts]
+        traverse(v, core, cpairs, pairs, ctx, edge)
+
+    jax.eval_shape(run, *leaves)
+    return _scope_box(v.sites, _chosen(v.sites, fmt), fmt)
+
+
 def lower_walk(core, consts, leaves, wrt, ctx, edge, fmt, scale):
     """One function, lowered: the differential walk, the probed float32
     gradient (every site's cotangent), every reduced site's backward error
@@ -263,10 +328,7 @@ def lower_walk(core, consts, leaves, wrt, ctx, edge, fmt, scale):
         traverse(visitor, core, cpairs, pairs, ctx, edge)
         sites = visitor.sites
         shapes = probe_shapes(core, consts, xs, ctx, edge)
-        chosen = [
-            fmt(st)[1] and bool(o) and bool(i)
-            for st, o, i in zip(sites, shapes.shapes, shapes.in_shapes)
-        ]
+        chosen = _chosen(sites, fmt)
         # Probes only where amp's equation differs from float32's.
         fp0 = [
             [jnp.zeros(a.shape, a.dtype) for a in sh] if c else None
@@ -276,22 +338,19 @@ def lower_walk(core, consts, leaves, wrt, ctx, edge, fmt, scale):
             [jnp.zeros(a.shape, jnp.float32) for a in sh] if c else None
             for sh, c in zip(shapes.in_shapes, chosen)
         ]
-        G = probed_gradient(core, consts, xs, wrt, ctx, edge, shapes.counts)
+        box.update(_scope_box(sites, chosen, fmt), sites=sites)
+        # The parameters' float32 gradient only for the first-order estimate
+        # (the ranking compares against the float32 step's).
+        G = probed_gradient(
+            core, consts, xs, wrt, ctx, edge, shapes.counts, box["shortlist"]
+        )
         params = [xs[i] for i in wrt]
         loss32, (g32, cts) = G(params, fp0, bp0)
         deltas = backward_deltas(sites, cts, chosen, scale)
         back = norms(sites, deltas)
         names = [scope_path(st.scopes) for st in sites]
-        scopes = list(dict.fromkeys(n for n, c in zip(names, chosen) if c))
-        formats: dict = {}
-        for n, st, c in zip(names, sites, chosen):
-            if c:
-                formats.setdefault(n, set()).add(fmt(st)[0])
-        short = len([s for s in scopes if s]) > _precision_ablate.MAX_MEASURED
-        box.update(sites=sites, scopes=scopes, paths=sorted(set(names)))
-        box.update(formats=formats, shortlist=short, measure=[] if short else scopes)
         effect = None
-        if short:
+        if box["shortlist"]:
             probed = lambda fp, bp: G(params, fp, bp)  # noqa: E731
             base = (loss32, g32)
             effect = scope_effects(names, sites, chosen, deltas, probed, base)[1]
@@ -305,9 +364,9 @@ def lower_walk(core, consts, leaves, wrt, ctx, edge, fmt, scale):
 def run_walk(lowered: Any, box: dict) -> tuple:
     """Compile and run :func:`lower_walk`'s function: the sites (their
     values concrete, one per loop iteration), their statistics, the float32
-    gradient, the float32 loss, the backward errors and the first-order
-    effect ``(scopes, loss change, <model total, change>, |change|^2,
-    |model total|^2)`` (None when not estimated)."""
+    gradient (None unless estimated), the float32 loss, the backward errors
+    and the first-order effect ``(scopes, loss change, <model total,
+    change>, |change|^2, |model total|^2)`` (None when not estimated)."""
     compiled = _compat.compile_analysis(lowered)
     loss32, back, stats, g32, effect = compiled(box["leaves"])
     sites, stats, back = per_iteration(box["sites"], stats, back)

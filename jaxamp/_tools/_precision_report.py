@@ -1,26 +1,28 @@
 """``precision_report``: where a mixed-precision training step loses accuracy,
 and the smallest policy change that wins it back.
 
-The float32 and the amp step are compared on the same inputs in one
-differential walk (``_precision_walk.py``; loops walked as loops): per
-equation the *local* error (amp's equation fed the float32 inputs, PyTorch's
-shadow loggers, ``torch.ao.ns._numeric_suite_fx``) and the *propagated* error
-(amp's value against float32's), grouped by ``jax.named_scope`` path and loop
-iteration. Per equation, first-order shares from one backward pass (every
-site's float32 cotangent ``g = dL/dy``): ``|<g, y_local - y_32>|`` for the
-loss and ``|VJP_amp(x_32; g) - VJP_32(x_32; g)|`` (the local error of the
-backward pass amp runs for it) for the gradient.
-
-Scopes are ranked by what restoring them buys, measured: amp's step re-run
-with each scope alone in the higher precision (``_precision_ablate.py``;
-AIMET's QuantAnalyzer enables one layer's quantizers at a time the same way),
-each compiled and run in a second thread while the walk runs. Past
+The ranking comes first and alone: scopes are ranked by what restoring them
+buys, measured: amp's step re-run with each scope alone in the higher
+precision (``_precision_ablate.py``; AIMET's QuantAnalyzer enables one
+layer's quantizers at a time the same way) against the float32 step, each
+compiled and run in a second thread while the next is traced. Past
 ``MAX_MEASURED`` scopes the first-order estimate (each scope's local errors
 propagated through the probed float32 gradient, HAWQ's sensitivity times
 perturbation, Dong et al., 2019) shortlists the scopes measured. The greedy
 fallback of the worst ops to higher precision until a target is met is Intel
-Neural Compressor's ``AutoMixedPrecisionTuneStrategy``. The plain-text table
-and the PNG are in ``_precision_plot.py``.
+Neural Compressor's ``AutoMixedPrecisionTuneStrategy``.
+
+The per-equation analysis runs when a per-equation view asks for it, once
+(``_precision_records.py``): the float32 and the amp step are compared on the
+same inputs in one differential walk (``_precision_walk.py``; loops walked as
+loops): per equation the *local* error (amp's equation fed the float32
+inputs, PyTorch's shadow loggers, ``torch.ao.ns._numeric_suite_fx``) and the
+*propagated* error (amp's value against float32's), grouped by
+``jax.named_scope`` path and loop iteration. Per equation, first-order shares
+from one backward pass (every site's float32 cotangent ``g = dL/dy``):
+``|<g, y_local - y_32>|`` for the loss and ``|VJP_amp(x_32; g) - VJP_32(x_32;
+g)|`` (the local error of the backward pass amp runs for it) for the
+gradient. The plain-text table and the PNG are in ``_precision_plot.py``.
 """
 
 from __future__ import annotations
@@ -38,88 +40,15 @@ import numpy as np
 from .. import _compat
 from .._amp import DEFAULT_PIPELINE, amp, compute_dtype_or_default
 from .._base._dtypes import is_float
-from .._base._formats import lookup, name_of
-from .._base._prims import MATMULS
-from .._base._scopes import scope_path
-from .._base._structure import describe
 from .._policy._lookup import AmpPolicy
 from .._policy._rules import default_amp_policy
 from .._walk._loop import AmpContext
 from . import _precision_ablate as _ablate
 from . import _precision_plot, _precision_suggest
-from ._precision_rank import estimated, lower_walk, run_walk
-from ._precision_walk import Site
+from ._precision_rank import estimated, find_scopes
+from ._precision_records import Analysis, SiteRecord, op_group
 
-_TRANSCENDENTAL = {
-    "exp",
-    "exp2",
-    "log",
-    "log1p",
-    "logistic",
-    "tanh",
-    "rsqrt",
-    "sqrt",
-    "erf",
-    "erf_inv",
-    "pow",
-    "expm1",
-}
-
-
-def op_group(eqn: Any) -> str:
-    """The op group of an equation's primitive, for the heatmap's columns."""
-    name = eqn.primitive.name
-    if name in MATMULS:
-        return "matmul"
-    if name in _TRANSCENDENTAL:
-        return "exp/log/root"
-    if name.startswith(("reduce_", "cumsum", "cumlogsumexp", "argmax", "argmin")):
-        return "reduction"
-    if describe(eqn) is not None:  # a higher-order equation run whole
-        return "region"
-    return "elementwise"
-
-
-@dataclasses.dataclass
-class SiteRecord:
-    """One equation instance of the report (JSON-serialisable).
-
-    Attributes:
-        scope: the ``named_scope`` path (``""`` outside any scope).
-        iteration: the enclosing ``scan`` iterations, outermost first.
-        primitive: the primitive's name.
-        group: its op group (``"matmul"``, ``"elementwise"``, ...).
-        source: the user's line, ``"file.py:LINE:COL (function)"``.
-        format: the low-precision format it ran in (``"bfloat16"``,
-            ``"int8"``, ``"float8_e4m3fn"``, ``"float32"``; an 8-bit format
-            added by :func:`jaxamp.extend.register_format` by its name).
-        local_error: relative L2 error of amp's equation on the float32 inputs.
-        propagated_error: relative L2 error of amp's value.
-        overflow: fraction of output elements non-finite in amp's local value
-            where float32's is finite.
-        underflow: fraction of output elements flushed to zero in amp's local
-            value where float32's is not zero.
-        peak: the largest float32 output magnitude.
-        format_max: the largest finite value of the output's amp dtype.
-        loss_share: first-order share of the loss error, ``|<g, dy_local>|``.
-        grad_share: local backward error ``|VJP_amp - VJP_32|`` relative to
-            the float32 gradient's norm.
-    """
-
-    scope: str
-    iteration: tuple
-    primitive: str
-    group: str
-    source: str
-    format: str
-    local_error: float
-    propagated_error: float
-    overflow: float
-    underflow: float
-    peak: float
-    format_max: float
-    loss_share: float
-    grad_share: float
+__all__ = ["PrecisionReport", "SiteRecord", "op_group", "precision_report"]
 
 
 def _sums(got: list, want: list) -> tuple[np.ndarray, np.ndarray]:
@@ -135,85 +64,6 @@ def _sums(got: list, want: list) -> tuple[np.ndarray, np.ndarray]:
 
 def _rel(num: float, den: float) -> float:
     return float((num / den) ** 0.5) if den else float(num > 0)
-
-
-def _format(site: Site, cache: dict) -> tuple[str, bool]:
-    """``(format, reduced)``: the narrowest dtype amp's step computes in (an
-    8-bit format of a product where it has one) and whether any value of the
-    step is narrower than float32; from its jaxpr, cached per equation (and
-    enclosing scopes) in ``cache``."""
-    key = (id(site.eqn), site.scopes)
-    if key not in cache:
-        n = len(site.stack)
-        avals = [
-            jax.ShapeDtypeStruct(
-                np.shape(x)[n:], getattr(x, "dtype", None) or jnp.result_type(x)
-            )
-            for x in site.x32
-        ]
-        closed = jax.make_jaxpr(site.run_amp)(avals)
-        fmt, reduced = "float32", False
-        for eqn in closed.jaxpr.eqns + _inner(closed.jaxpr):
-            ops = [np.dtype(v.aval.dtype) for v in eqn.invars]
-            if eqn.primitive.name in MATMULS and all(d.itemsize == 1 for d in ops):
-                fmt, reduced = name_of(ops[0]), True  # a registered format's name
-                break
-            avals = (*eqn.invars, *eqn.outvars)
-            low = [
-                np.dtype(v.aval.dtype)
-                for v in avals
-                if is_float(v.aval.dtype) and np.dtype(v.aval.dtype).itemsize < 4
-            ]
-            if low:
-                reduced = True
-                fmt = low[0].name if fmt == "float32" else fmt
-        cache[key] = (fmt, reduced)
-    return cache[key]
-
-
-def _inner(jaxpr: Any) -> list:
-    out = []
-    for eqn in jaxpr.eqns:
-        for sub in _compat.sub_jaxprs(eqn.params):
-            core = _compat.jaxpr_parts(sub)[0]
-            out.extend(core.eqns + _inner(core))
-    return out
-
-
-def _site_meta(site: Site, cache: dict) -> tuple:
-    """What a record keeps of a traced site: equation, scopes, iterations,
-    format."""
-    has_float = any(is_float(getattr(y, "dtype", None)) for y in site.y32)
-    fmt = _format(site, cache)[0] if has_float else ""
-    return site.eqn, site.scopes, site.iteration, fmt
-
-
-def _record(meta: tuple, row: np.ndarray, grad_norm: float) -> SiteRecord:
-    eqn, scopes, iteration, fmt = meta
-    name = eqn.primitive.name
-    fmax = 127.0
-    if fmt and lookup(fmt) is not None:  # an 8-bit format: its bound
-        fmax = lookup(fmt).bound
-    elif fmt.startswith(("float", "bfloat")):
-        fmax = float(jnp.finfo(fmt).max)
-    local, prop, over, under, peak, loss_share, back = (float(v) for v in row)
-    loss_share = loss_share if np.isfinite(loss_share) else float("inf")
-    return SiteRecord(
-        scope_path(scopes),
-        iteration,
-        name,
-        op_group(eqn),
-        _compat.source_line(eqn),
-        fmt,
-        local,
-        prop,
-        over,
-        under,
-        peak,
-        fmax,
-        loss_share,
-        back / grad_norm if grad_norm else 0.0,
-    )
 
 
 def _leaf_paths(tree: Any, depth: int) -> list[str]:
@@ -298,16 +148,19 @@ def precision_report(
     """Where ``amp(loss_fn)`` loses accuracy against float32, per equation,
     ``named_scope`` path, scan iteration and parameter group.
 
-    Runs amp's own jitted step, then one compiled function: the float32 and
-    the amp step on the same inputs in one differential walk (see
-    ``jaxamp/_tools/_precision_walk.py``; a loop's body traced once), one
-    backward pass for every equation's float32 cotangent, each equation's
-    backward pass at the float32 point. In a second thread meanwhile: amp's
-    jitted step, then per scope amp's step with that scope alone in higher
-    precision (the ranking, :meth:`PrecisionReport.scopes`): ``k`` scopes,
-    ``k + 1`` compiles and runs and ``k + 1`` host gradients. Past
-    ``_precision_ablate.MAX_MEASURED`` scopes a first-order estimate
-    shortlists those measured (:attr:`PrecisionReport.ranking`).
+    Here, the ranking (:meth:`PrecisionReport.scopes`, ``top``, ``suggest``):
+    an abstract trace of the walk finds the scopes amp runs in reduced
+    precision; the float32 step, amp's step and amp's step per scope alone in
+    higher precision are compiled (XLA's default options) and run in a second
+    thread while the next is traced: ``k`` scopes, ``k + 2`` compiles and runs.
+    On the first read of :attr:`PrecisionReport.records` (the printout,
+    ``save``, ``to_json``), once: the per-equation analysis, one compiled
+    differential walk (``jaxamp/_tools/_precision_records.py``). Past
+    ``_precision_ablate.MAX_MEASURED`` scopes the analysis runs here, its
+    first-order estimate shortlisting the scopes measured. Measured on the
+    depth GPT of ``benchmarks/precision_report.py --depth`` (3 scopes, 2-core
+    CPU under load): the ranking 4.3x to 5.7x the first call of the user's
+    jitted step, the analysis about 3x more (``docs/guide.md``, "Cost").
 
     Args:
         loss_fn: ``loss_fn(params, *rest, **kwargs)`` returning a float scalar
@@ -333,6 +186,33 @@ def precision_report(
         ValueError: if the loss is not a float scalar, ``compute_dtype`` is
             not a float dtype or ``group_depth`` is below 1.
     """
+    _check_args(loss_fn, args, group_depth)
+    cd = compute_dtype_or_default(compute_dtype)
+    out = jax.eval_shape(lambda: loss_fn(*args, **kwargs))
+    _check_loss(out[0] if has_aux else out)
+    scale = float(loss_scale or (2.0**15 if cd == np.float16 else 1.0))
+    # amp's steps are traced here, under the caller's JAX configuration.
+    step = lambda p: _amp_step(loss_fn, args, kwargs, cd, p, has_aux, scale)  # noqa: E731
+    ref = _f32_step(loss_fn, args, kwargs, has_aux)
+    analysis = Analysis(None, {}, scale)
+
+    def scopes() -> dict:  # traced while the float32 and amp's steps compile
+        analysis.trace = _trace(loss_fn, args, kwargs, cd, amp_policy, has_aux)
+        return find_scopes(*analysis.trace[:3], *analysis.trace[4:], analysis.fmt)
+
+    ranked = _rank(step, ref, scopes, amp_policy, analysis)
+    todo, (loss32, g32), (lossa, ga), runs, box = ranked
+    sums = _sums(ga, g32)
+    runner = _precision_suggest.Runner(
+        loss_fn, args, kwargs, cd, amp_policy, has_aux, scale, g32, loss32,
+        amp_gradients,
+    )  # fmt: skip
+    effect = analysis.result[5] if analysis.result is not None else None
+    out = _assemble(runner, analysis, box, group_depth, (lossa, ga), effect, sums)
+    return _ranked(out, box, todo, runs, sums, effect)
+
+
+def _check_args(loss_fn: Any, args: tuple, group_depth: Any) -> None:
     if not callable(loss_fn) or not args:
         raise TypeError(
             "precision_report(loss_fn, params, *batch): loss_fn must be callable "
@@ -343,52 +223,50 @@ def precision_report(
             f"precision_report(group_depth=...) must be an int >= 1, got "
             f"{group_depth!r}; 1 groups parameters by their top-level keys."
         )
-    cd = compute_dtype_or_default(compute_dtype)
-    out = jax.eval_shape(lambda: loss_fn(*args, **kwargs))
-    _check_loss(out[0] if has_aux else out)
-    scale = float(loss_scale or (2.0**15 if cd == np.float16 else 1.0))
-    # amp's steps are traced here, under the caller's JAX configuration.
-    cache: dict = {}
-    step = lambda p: _amp_step(loss_fn, args, kwargs, cd, p, has_aux, scale)  # noqa: E731
-    lowered, box = _walk(loss_fn, args, kwargs, cd, amp_policy, has_aux, cache, scale)
-    walk, todo, (lossa, ga), runs = _run_all(step, lowered, box, amp_policy)
-    sites, stats, g32, loss32, back_all, effect = walk
-    sums = _sums(ga, g32)
-    norm = float(sums[1].sum()) ** 0.5
-    records = [
-        _record(_site_meta(st, cache), [*row, bk], norm)
-        for st, row, bk in zip(sites, stats, back_all)
-    ]
-    runner = _precision_suggest.Runner(
-        loss_fn, args, kwargs, cd, amp_policy, has_aux, scale, g32, loss32,
-        amp_gradients,
-    )  # fmt: skip
-    out = _assemble(runner, records, group_depth, float(lossa), ga, effect, sums)
-    return _ranked(out, box, todo, runs, sums, effect)
 
 
-def _run_all(step, lowered, box, policy) -> tuple:
-    """Run the walk and the ablations: ``(walk, plan, amp's (loss,
-    gradient), the measured scopes' (loss, gradient))``. ``step(policy)``
-    lowers amp's step under ``policy``. The ablations (amp's step with one
-    scope overridden, :func:`_precision_ablate.plan`) are traced here and
-    compiled and run in a second thread, after amp's own step, while the
-    analysis compiles and runs (XLA releases Python's lock); past
-    ``MAX_MEASURED`` scopes, after it, for the estimate's best ones."""
-    todo = _ablate.plan(box["measure"], box["paths"], box["formats"], policy)
-    jobs = [step(policy)] + [step(p) for p, _, _ in todo.values()]
+def _f32_step(fn, args, kwargs, has_aux) -> tuple:
+    """The float32 step (loss and gradient leaves w.r.t. ``args[0]``'s float
+    arrays, as :func:`_amp_step`'s), lowered, and its array arguments: the
+    reference every measured step is compared with."""
+
+    def loss(p, *rest):
+        out = fn(p, *rest, **kwargs)
+        return (out[0] if has_aux else out).astype(jnp.float32)
+
+    dynamic, static = eqx.partition(args, eqx.is_array)
+
+    def step(dynamic):
+        value, g = eqx.filter_value_and_grad(loss)(*eqx.combine(dynamic, static))
+        return value, jax.tree.leaves(eqx.filter(g, eqx.is_array))
+
+    return jax.jit(step).lower(dynamic), dynamic
+
+
+def _rank(step, ref, scopes, policy, analysis) -> tuple:
+    """Run the ranking's steps: ``(plan, float32's (loss, gradient), amp's,
+    the measured scopes' in the plan's order, what the scope discovery
+    found)``. ``ref`` is the float32 step, lowered; ``step(policy)`` lowers
+    amp's step under ``policy`` (traced here); each lowered step is compiled
+    and run in a second thread, in order, while the next one (and the scope
+    discovery, ``scopes()``: :func:`_precision_rank.find_scopes`) is traced
+    (XLA releases Python's lock). Past ``MAX_MEASURED`` scopes the
+    per-equation ``analysis`` runs here meanwhile, and its first-order
+    estimate picks the scopes measured (:func:`_precision_ablate.plan`)."""
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        steps = pool.submit(_ablate.run_steps, jobs)
-        walk = run_walk(lowered, box)
-        base, *runs = steps.result()
-    if box["shortlist"]:
-        est = estimated(walk[5])["grad"]
-        # Unscoped equations (path "") have no policy key: never shortlisted.
-        best = sorted((k for k in est if k), key=lambda k: -est[k])
-        best = best[: _ablate.MAX_MEASURED]
+        jobs = [pool.submit(_ablate.run_step, ref)]
+        jobs.append(pool.submit(_ablate.run_step, step(policy)))
+        box = scopes()
+        best = box["measure"]
+        if box["shortlist"]:
+            est = estimated(analysis.walk()[5])["grad"]
+            # Unscoped equations (path "") have no policy key: never shortlisted.
+            best = sorted((k for k in est if k), key=lambda k: -est[k])
+            best = best[: _ablate.MAX_MEASURED]
         todo = _ablate.plan(best, box["paths"], box["formats"], policy)
-        runs = _ablate.run_steps([step(p) for p, _, _ in todo.values()])
-    return walk, todo, base, runs
+        jobs += [pool.submit(_ablate.run_step, step(p)) for p, _, _ in todo.values()]
+        ref_out, base, *runs = [j.result() for j in jobs]
+    return todo, ref_out, base, runs, box
 
 
 def _ranked(out, box, todo, runs, sums, effect) -> PrecisionReport:
@@ -429,12 +307,14 @@ def _ranking_note(box: dict, todo: dict) -> str:
     )
 
 
-def _assemble(runner, records, group_depth, lossa, ga, effect, sums) -> PrecisionReport:
-    """The report: amp's measured gradient against float32's per parameter
-    group (``sums``: :func:`_sums` of the two), the records, the first-order
-    estimate's fit where it ran (``effect``, else None), the runner for
-    ``suggest``."""
+def _assemble(runner, analysis, box, group_depth, amp_out, effect, sums):
+    """The report: amp's measured gradient (``amp_out``: its ``(loss,
+    gradient leaves)``) against float32's per parameter group (``sums``:
+    :func:`_sums` of the two), the scope paths and formats the ranking found
+    (``box``), the first-order estimate's fit where it ran (``effect``, else
+    None), the runner for ``suggest`` and the per-equation ``analysis``."""
     r = runner
+    lossa, ga = amp_out
     params = eqx.filter(r.args[0], eqx.is_array)
     names = [
         n
@@ -447,15 +327,18 @@ def _assemble(runner, records, group_depth, lossa, ga, effect, sums) -> Precisio
     if effect is not None and meas_sq:
         fit = (effect[4] / meas_sq) ** 0.5
     return PrecisionReport(
-        records=records,
+        records=None,
         loss32=r.loss32,
-        loss=lossa,
+        loss=float(lossa),
         grad_errors=_group_errors(*sums, names),
         compute_dtype=np.dtype(r.compute_dtype).name,
         grads=jax.tree.unflatten(tree, ga),
         grads32=jax.tree.unflatten(tree, r.g32),
         runner=r,
         linear_fit=float(fit),
+        paths=box["paths"],
+        formats=box["formats"],
+        analysis=analysis,
     )
 
 
@@ -467,9 +350,10 @@ def _check_loss(loss: Any) -> None:
         )
 
 
-def _walk(fn, args, kwargs, cd, policy, has_aux, cache, scale):
-    """Trace ``fn``; the differential walk, lowered, and what its trace
-    found (:func:`_precision_rank.lower_walk`)."""
+def _trace(fn, args, kwargs, cd, policy, has_aux) -> tuple:
+    """Trace ``fn`` (its array leaves flattened, the loss its one output):
+    ``(core, consts, leaves, wrt, ctx, edge)``, as
+    :func:`_precision_rank.lower_walk` takes them."""
     dynamic, static = eqx.partition((args, kwargs), eqx.is_array)
     leaves, treedef = jax.tree_util.tree_flatten(dynamic)
     n0 = len(jax.tree.leaves(eqx.filter(args[0], eqx.is_array)))
@@ -483,16 +367,23 @@ def _walk(fn, args, kwargs, cd, policy, has_aux, cache, scale):
     core, consts = _compat.jaxpr_parts(jax.make_jaxpr(flat)(*leaves))
     ctx = AmpContext(cd, AmpPolicy(policy), DEFAULT_PIPELINE)
     edge = ((0,) * len(core.outvars), None)
-    fmt = lambda site: _format(site, cache)  # noqa: E731
-    return lower_walk(core, consts, leaves, wrt, ctx, edge, fmt, scale)
+    return core, consts, leaves, wrt, ctx, edge
 
 
 @dataclasses.dataclass
 class PrecisionReport:
     """What :func:`jaxamp.precision_report` found.
 
+    The ranking is measured when the report is made; the per-equation
+    analysis behind :attr:`records` (also read by the printout's equation
+    table, :meth:`save` and :meth:`to_json`) runs on first use, once.
+
     Attributes:
-        records: one :class:`SiteRecord` per equation instance, in order.
+        records: one :class:`SiteRecord` per equation instance, in the order
+            an unrolled walk visits them. The first read runs the per-equation
+            analysis (one compile and run of the differential walk: about 3x
+            the step's first call on ``benchmarks/precision_report.py``'s
+            depth GPT); later reads reuse it.
         loss32: the float32 loss.
         loss: amp's loss.
         grad_errors: ``{"total": e, group: e, ...}``, amp's gradient relative
@@ -515,9 +406,15 @@ class PrecisionReport:
             estimate's model of the gradient error (the sum of the scopes'
             propagated errors ``dg_s``) against amp's measured one ``dg``,
             where the estimate ran; NaN otherwise.
+        paths: every ``named_scope`` path of the step's equations, sorted
+            (``""`` outside any scope).
+        formats: ``{scope path: {format, ...}}``: the reduced-precision
+            formats its equations run in (``"bfloat16"``, ``"int8"``, ...),
+            for the paths holding any.
+        analysis: the per-equation analysis (:attr:`records`).
     """
 
-    records: list
+    records: list | None = dataclasses.field(repr=False, compare=False)
     loss32: float
     loss: float
     grad_errors: dict
@@ -530,6 +427,9 @@ class PrecisionReport:
     ranking: str = ""
     estimated: dict = dataclasses.field(default_factory=dict)
     overrides: dict = dataclasses.field(default_factory=dict)
+    paths: list = dataclasses.field(default_factory=list)
+    formats: dict = dataclasses.field(default_factory=dict)
+    analysis: Any = dataclasses.field(default=None, repr=False)
 
     @property
     def grad_error(self) -> float:
@@ -591,3 +491,23 @@ class PrecisionReport:
 
     def __str__(self) -> str:
         return _precision_plot.text(self)
+
+
+def _records(self: PrecisionReport) -> list[SiteRecord]:
+    if self._records is None and self.analysis is not None:
+        g32 = jax.tree.leaves(self.grads32)
+        sq = sum(float(np.sum(np.square(g, dtype=np.float64))) for g in g32)
+        self._records = self.analysis.records(sq**0.5)
+    return self._records
+
+
+def _set_records(self: PrecisionReport, value: list | None) -> None:
+    self._records = value
+
+
+# A property over the dataclass field: ``PrecisionReport(records, ...)`` still
+# takes the records, and a report made by ``precision_report`` (records None)
+# runs its analysis when they are first read.
+PrecisionReport.records = property(  # type: ignore[assignment]
+    _records, _set_records, doc=":class:`SiteRecord` per equation instance."
+)

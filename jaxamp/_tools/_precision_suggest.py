@@ -137,7 +137,7 @@ class Suggestion(Mapping):
 def _override(report: Any, path: str) -> tuple[Any, str]:
     """The override of scope ``path`` (:func:`_precision_ablate.override`):
     to the compute dtype if any of its equations ran in 8 bits."""
-    eight = any(r.scope == path and is_eight_bit(r.format) for r in report.records)
+    eight = any(is_eight_bit(f) for f in report.formats.get(path, ()))
     return override(eight)
 
 
@@ -171,7 +171,7 @@ def suggest(
     by = "grad" if grad_error is not None else "loss"
     # Equations outside every named scope cannot be targeted by a scope key.
     shares = {k: v for k, v in report.scopes(by).items() if v > 0 and k}
-    paths = sorted({r.scope for r in report.records})
+    paths = report.paths
     ok = lambda g, lo: (
         (grad_error is None or g <= grad_error)
         and (  # noqa: E731

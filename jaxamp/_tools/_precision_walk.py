@@ -332,7 +332,7 @@ class DiffVisitor(_Visitor):
         box: list = []
 
         def body_fn(core, sc, step, boundary):
-            inner = DiffVisitor(self.reduced)
+            inner = type(self)(self.reduced)
             outs = traverse(inner, core, sc, step, ctx, boundary, iteration)
             box.append(inner.sites)
             ys = []
