@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -217,7 +218,7 @@ def _extrapolate(r: Recipe, s: Size, full: int, target: str) -> dict:
     """Layers of ``s``'s width that fit each budget, from ``s`` and ``s``
     with half its layers."""
     half = dataclasses.replace(s, layers=s.layers // 2)
-    peak_half, n_half = step_peak(r, half, target)
+    peak_half, _ = _Cache.current.get(r, half, target)
     per_layer = (full - peak_half) / (s.layers - half.layers)
     fixed = full - per_layer * s.layers
     n_layer = 12 * s.d * s.d + 6 * s.d  # weights of one block
@@ -233,6 +234,31 @@ def _extrapolate(r: Recipe, s: Size, full: int, target: str) -> dict:
     return out
 
 
+class _Cache:
+    """Compiled peaks by (target, recipe, d, layers), kept in a JSON-lines file
+    so that a table is assembled across runs (each compile takes minutes)."""
+
+    current: _Cache
+
+    def __init__(self, path: str | None):
+        self.path, self.rows = path, {}
+        if path and Path(path).exists():
+            for line in Path(path).read_text().splitlines():
+                r = json.loads(line)
+                self.rows[tuple(r["key"])] = (r["peak"], r["n"])
+        _Cache.current = self
+
+    def get(self, r: Recipe, s: Size, target: str) -> tuple[int, int]:
+        key = (target, r.name, s.d, s.layers)
+        if key not in self.rows:
+            self.rows[key] = step_peak(r, s, target)
+            if self.path:
+                peak, n = self.rows[key]
+                with open(self.path, "a") as f:
+                    f.write(json.dumps({"key": key, "peak": peak, "n": n}) + "\n")
+        return self.rows[key]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--targets", nargs="+", default=["h100"], choices=["cpu", "h100"])
@@ -240,7 +266,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--recipes", nargs="*", type=int, default=None, help="indices")
     p.add_argument("--extrapolate", action="store_true")
     p.add_argument("--out", default=None)
+    p.add_argument(
+        "--cache",
+        default=None,
+        help="a JSON-lines file of compiled peaks: read (compiled once) and appended",
+    )
     args = p.parse_args(argv)
+    cache = _Cache(args.cache)
     chosen = [RECIPES[i] for i in args.recipes] if args.recipes else RECIPES
     text = []
     for target in args.targets:
@@ -249,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
             for s in SIZES:
                 if s.name not in args.sizes:
                     continue
-                peak, n = step_peak(r, s, target)
+                peak, n = cache.get(r, s, target)
                 rows.setdefault(r.name, {})[s.name] = (peak, n)
                 print(
                     target,
