@@ -21,7 +21,7 @@ training loop runs it, jitted with parameters and optimizer state donated:
   second moment, no first moment, float32 statistics).
 
 The peak is XLA's memory analysis (arguments + outputs - aliased + temp).
-``--extrapolate``: for the largest size, also compile it with half its layers
+``--extrapolate``: where the largest size fits 80 GB, also compile it with half its layers
 and report, from the per-layer slope, how many layers of that width fit
 (peak linear in layers: layers repeat one scan body).
 """
@@ -292,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
             last = SIZES[-1]
-            if args.extrapolate and last.name in rows.get(r.name, {}):
+            fits = rows.get(r.name, {}).get(last.name, (80 * GB + 1,))[0] <= 80 * GB
+            if args.extrapolate and fits:  # the largest size fits: how far beyond
                 extra.update(_extrapolate(r, last, rows[r.name][last.name][0], target))
         label = gpu_target_label(target)
         text.append(f"#### {label}\n\n" + report(rows, extra, target))

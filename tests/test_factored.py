@@ -232,3 +232,39 @@ def test_scale_by_matrix_rms_needs_params():
     params = {"w": jnp.ones((4, 4))}
     with pytest.raises(ValueError, match=r"scale_by_matrix_rms.*params"):
         tx.update(params, tx.init(params))
+
+
+def test_layers_too_large_for_one_block_are_updated_whole(monkeypatch):
+    # Blocks of rows cannot hold a column statistic (a sum over every row of
+    # the layer): with blocks smaller than a layer, the factored leaves are
+    # updated one whole layer at a time, still inside the loop, same bits.
+    from jaxamp._training import _in_backward, _layer_update
+
+    monkeypatch.setattr(_layer_update, "_BLOCK", 1024)
+    plan, chunks = _in_backward.plan_leaf, {}
+
+    def spy(*args):
+        upd = plan(*args)
+        if upd is not None:
+            chunks[upd.k] = upd.chunks
+        return upd
+
+    monkeypatch.setattr(_in_backward, "plan_leaf", spy)
+    tx = OPTIMIZERS["leanest"]()
+    params = _params()
+    state = tx.init(params)
+    fused = jax.jit(jaxamp.update_in_backward(LOSS, tx))
+    ordinary = jax.jit(_ordinary(tx))
+    a = b = (params, state)
+    for i in range(3):
+        *a, _ = fused(*a, _batch(i))
+        *b, _ = ordinary(*b, _batch(i))
+    names = [
+        jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(params)
+    ]
+    got = {names[k]: c for k, c in chunks.items()}
+    # w1 and w2 (4096 elements per layer) whole; gain and b1 (two axes: one
+    # RMS clip over the leaf, across layers) after the backward pass
+    assert got == {"['layers']['w1']": 1, "['layers']['w2']": 1}
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

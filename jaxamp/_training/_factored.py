@@ -84,7 +84,8 @@ def layerwise_adafactor(
     more, the whole of a smaller leaf. So each layer's update reads only that
     layer, and :func:`jaxamp.update_in_backward` applies it inside the
     transposed loop; on a leaf of one or two axes this is ``optax.adafactor``
-    with the same arguments.
+    with the same arguments (a stacked bias or norm gain, ``(layers, d)``, is
+    one block: updated after the backward pass, its gradient is small).
 
     The second moment of a ``rows x cols`` matrix costs ``4 (rows + cols)``
     bytes in float32 (about 0.005 bytes per parameter at width 1024): with
