@@ -189,7 +189,9 @@ def test_the_leanest_state_is_nearly_free():
     # row + column statistics of each matrix, float32; full ones for the rest
     factored = 4 * L * 2 * (D + 4 * D)
     assert state_bytes <= factored + 4 * (n - big) + 64
-    assert state_bytes < 0.2 * n
+    # 0.27 bytes per parameter at width 32 (4 (r + c) / (r c) per matrix),
+    # against 4 for AdamW's moments in bfloat16
+    assert state_bytes < 0.3 * n
 
 
 def test_resume_from_orbax_checkpoint_is_bit_identical(tmp_path):
