@@ -109,7 +109,10 @@ def layerwise_adafactor(
             scaled by the learning rate), or None.
         weight_decay_mask: optax's mask of the leaves to decay.
         min_dim_size_to_factor: a matrix is factored when its two largest
-            axes are at least this long (else a full second moment).
+            axes are at least this long (else a full second moment). optax
+            factors a leaf's two largest axes: a stack of more layers than a
+            matrix's shorter side is factored across layers, and updated after
+            the backward pass.
         eps: added to the squared gradient.
 
     Returns:
