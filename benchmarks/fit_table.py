@@ -21,9 +21,9 @@ training loop runs it, jitted with parameters and optimizer state donated:
   second moment, no first moment, float32 statistics).
 
 The peak is XLA's memory analysis (arguments + outputs - aliased + temp).
-``--extrapolate``: where the largest size fits 80 GB, also compile it with half its layers
-and report, from the per-layer slope, how many layers of that width fit
-(peak linear in layers: layers repeat one scan body).
+``--extrapolate``: where the largest size fits 80 GB, also compile it with half
+its layers and report, from the per-layer slope, how many layers of that width
+fit (peak linear in layers: layers repeat one scan body).
 """
 
 from __future__ import annotations
