@@ -79,6 +79,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -307,6 +308,21 @@ def _skip_pairs() -> list:
     ]
 
 
+def _lean(inner: Callable, state_dtype: Any) -> Callable:
+    return lambda: jaxamp.low_precision_optimizer(inner(), state_dtype=state_dtype)
+
+
+# Issue 62: the optimizers with one moment or none, bfloat16 parameters.
+LEAN_OPTIMIZERS = {
+    "layerwise adafactor, no momentum (leanest)": _lean(
+        lambda: jaxamp.training.layerwise_adafactor(1e-3), None
+    ),
+    "layerwise adafactor, int8 momentum": _lean(
+        lambda: jaxamp.training.layerwise_adafactor(1e-3, momentum=0.9), "int8"
+    ),
+    "lion, int8 state": _lean(lambda: optax.lion(1e-4, weight_decay=0.1), "int8"),
+}
+
 # 8-bit policies with every matmul quantized, the head's too
 _ALL_MATMULS = {"size_rule": None, "quantize_last_matmul": True}
 
@@ -355,6 +371,17 @@ SLOPE_VARIANTS = [
         _low(state_dtype="int8"),
         amp_kwargs=(("residual_dtype", "int8"),),
         in_backward=True,
+    ),
+    # Issue 62: one-moment optimizers inside the backward pass.
+    *(
+        SlopeVariant(
+            f"amp, bf16 params + SR, {name}, int8 residuals, in backward",
+            "bfloat16",
+            make,
+            amp_kwargs=(("residual_dtype", "int8"),),
+            in_backward=True,
+        )
+        for name, make in LEAN_OPTIMIZERS.items()
     ),
     # 8-bit matmuls (every one, the head's too) under the main job's
     # checkpointed layers: what the recompute saves besides the checkpoint's

@@ -117,6 +117,15 @@ class Config:
             are updated as soon as their gradient is ready, and no gradient
             tree exists. Global-norm clipping needs every gradient first, so
             this optimizer clips nothing; float16 (loss scaling) is refused.
+        optimizer: ``"adamw"`` (the default), ``"adafactor"``
+            (``jaxamp.training.layerwise_adafactor``: factored second moment
+            per matrix, no first moment, each matrix's update clipped at RMS
+            1, weight decay ``0.1 * lr`` per step) or ``"lion"``
+            (``optax.lion`` at a third of ``lr``, weight decay 0.3), each on
+            the same warmup + cosine schedule. The leanest recipe (issue 62)
+            is ``--mode bf16 --param-dtype bfloat16 --optimizer adafactor
+            --opt-state-dtype float32 --residual-dtype int8
+            --update-in-backward``.
     """
 
     mode: str = "all"
@@ -141,6 +150,7 @@ class Config:
     opt_state_dtype: str = "bfloat16"
     residual_dtype: str = "compute"
     update_in_backward: bool = False
+    optimizer: str = "adamw"
 
 
 CHOICES = {
@@ -148,6 +158,7 @@ CHOICES = {
     "param_rounding": ("stochastic", "kahan", "nearest", "plain"),
     "opt_state_dtype": ("bfloat16", "int8", "float32"),
     "residual_dtype": ("compute", "fp8", "int8"),
+    "optimizer": ("adamw", "adafactor", "lion"),
 }
 # --residual-dtype: jaxamp.amp's residual_dtype.
 RESIDUAL_DTYPES = {"compute": None, "fp8": jnp.float8_e4m3fn, "int8": "int8"}
@@ -418,8 +429,9 @@ def make_optimizer(cfg: Config, skip: bool = True) -> optax.GradientTransformati
             step, for the memory benchmark's with/without comparison).
 
     Returns:
-        AdamW (weight decay 0.1) on a linear-warmup + cosine schedule (down to
-        a tenth of ``lr``) after global-norm clipping at 1, inside
+        AdamW (weight decay 0.1; or ``cfg.optimizer``) on a linear-warmup +
+        cosine schedule (down to a tenth of ``lr``) after global-norm clipping
+        at 1 (none with ``update_in_backward``), inside
         ``jaxamp.skip_nonfinite_updates`` (a step with non-finite gradients
         changes nothing and is counted; only float16 ever has one). With
         bfloat16 parameters and ``param_rounding`` other than ``"plain"``, the
@@ -431,9 +443,9 @@ def make_optimizer(cfg: Config, skip: bool = True) -> optax.GradientTransformati
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, cfg.lr, cfg.warmup, max(cfg.steps, cfg.warmup + 1), cfg.lr * 0.1
     )
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, 0.1))
-    if cfg.update_in_backward:  # clipping reads every gradient; no skip
-        tx = optax.adamw(schedule, 0.1)
+    tx = _base_optimizer(cfg, schedule)
+    if not cfg.update_in_backward:  # clipping reads every gradient
+        tx = optax.chain(optax.clip_by_global_norm(1.0), tx)
     if cfg.param_dtype == "bfloat16" and cfg.param_rounding == "plain":
         return tx
     if cfg.param_dtype == "bfloat16":
@@ -447,6 +459,15 @@ def make_optimizer(cfg: Config, skip: bool = True) -> optax.GradientTransformati
     if cfg.update_in_backward or not skip:
         return tx
     return jaxamp.skip_nonfinite_updates(tx)
+
+
+def _base_optimizer(cfg: Config, schedule: Callable) -> optax.GradientTransformation:
+    """``cfg.optimizer`` on ``schedule`` (see :class:`Config`)."""
+    if cfg.optimizer == "adafactor":
+        return jaxamp.training.layerwise_adafactor(schedule, weight_decay=0.1 * cfg.lr)
+    if cfg.optimizer == "lion":
+        return optax.lion(lambda n: schedule(n) / 3, weight_decay=0.3)
+    return optax.adamw(schedule, 0.1)
 
 
 def initial_params(cfg: Config) -> dict:
@@ -463,6 +484,8 @@ def variant_label(mode: str, cfg: Config) -> str:
         mode = f"{mode}, {cfg.residual_dtype} residuals"
     if cfg.update_in_backward:
         mode = f"{mode}, update in backward"
+    if cfg.optimizer != "adamw":
+        mode = f"{mode}, {cfg.optimizer}"
     if cfg.param_dtype == "float32":
         return mode
     if cfg.param_rounding == "plain":

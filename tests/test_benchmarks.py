@@ -416,3 +416,28 @@ def test_readme_gpu_rows_name_their_date():
         assert dates, f"README row without a date: {row}"
         for d in dates:
             assert re.search(rf"Measured[^.]*{d}", results), (d, row)
+
+
+def test_fit_table_orders_the_recipes_by_their_peak(monkeypatch, tmp_path):
+    # fit_table.py's step, compiled for XLA:CPU on a small GPT: each recipe's
+    # peak below the one before it (float32 master weights, bf16 + SR, int8
+    # AdamW in the backward pass, the leanest), and the cache reused.
+    import fit_table
+
+    monkeypatch.setattr(fit_table, "SEQ", 64)
+    monkeypatch.setattr(fit_table, "VOCAB", 256)
+    size = fit_table.Size("tiny", 256, 2, 4)
+    monkeypatch.setattr(fit_table, "SIZES", [size])
+    cache = tmp_path / "cache.jsonl"
+    fit_table.main(["--targets", "cpu", "--cache", str(cache)])
+    rows = [json.loads(line) for line in cache.read_text().splitlines()]
+    assert [r["key"][1] for r in rows] == [r.name for r in fit_table.RECIPES]
+    peaks = [r["peak"] for r in rows]
+    assert all(a > b for a, b in zip(peaks, peaks[1:])), peaks
+    n = rows[0]["n"]
+    # float32 master weights: 16 bytes stored per parameter, and more at the peak
+    assert peaks[0] / n > 16 and peaks[-1] < peaks[0] / 2, (peaks, n)
+    calls = []
+    monkeypatch.setattr(fit_table, "step_peak", lambda *a: calls.append(a))
+    fit_table.main(["--targets", "cpu", "--cache", str(cache)])
+    assert calls == []

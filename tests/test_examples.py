@@ -276,3 +276,30 @@ def test_charlm_param_dtype_flag_is_checked(capsys):
         train_charlm.main(["--param-dtype", "float16"])
     assert exit_info.value.code == 2
     assert "--param-dtype: invalid choice" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "optimizer, state", [("adafactor", "float32"), ("lion", "int8")]
+)
+def test_charlm_one_moment_optimizers_in_the_backward_pass(optimizer, state):
+    # The leanest recipe (issue 62) and Lion with int8 state, updated inside
+    # the backward pass: no gradient tree, bf16 parameters (2 bytes) and
+    # nearly no state for the factored moments, 1 byte for Lion's int8 one.
+    cfg = train_charlm.Config(
+        **{**TINY_CHARLM, "d_model": 128},  # factored: both axes >= 128
+        steps=12,
+        max_bytes=200_000,
+        param_dtype="bfloat16",
+        opt_state_dtype=state,
+        residual_dtype="int8",
+        update_in_backward=True,
+        optimizer=optimizer,
+    )
+    data = train_charlm.load_corpus(None, cfg.max_bytes)
+    r = train_charlm.train(cfg, "bf16", data, progress=False)
+    assert f"update in backward, {optimizer}, bf16 params" in r["label"]
+    per = r["bytes_per_param"]
+    assert per["params"] == 2.0 and per["grads"] == 0.0, per
+    want = 2.0 if optimizer == "adafactor" else 3.0
+    assert want <= per["total"] < want + 0.35, per
+    assert np.isfinite(r["val_loss"]) and r["losses"][-1] < r["losses"][0] - 0.3

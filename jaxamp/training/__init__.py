@@ -7,6 +7,7 @@ The names a training loop calls most (``DynamicScalerState``,
 ``update_in_backward``) are also at the top level.
 """
 
+from .._training._factored import layerwise_adafactor as layerwise_adafactor
 from .._training._in_backward import update_in_backward as update_in_backward
 from .._training._low_precision import LowPrecisionState as LowPrecisionState
 from .._training._low_precision import (
@@ -34,6 +35,7 @@ __all__ = (
     "dynamic_scale_grad",
     "dynamic_scale_tx",
     "dynamic_scale_value_and_grad",
+    "layerwise_adafactor",
     "low_precision_optimizer",
     "optimizer_update",
     "select_tree",
