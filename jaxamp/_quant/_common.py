@@ -31,9 +31,9 @@ import jax
 import numpy as np
 
 from .. import _compat
-from .._base._dtypes import is_float, widest
+from .._base._dtypes import is_float
 from .._base._scopes import marker
-from .._policy._kinds import ImplementationRule
+from .._policy._kinds import Decline, ImplementationRule
 from .._policy._lookup import builtin_rule
 from .._policy._rules import default_amp_policy, use_compute_precision
 
@@ -369,12 +369,13 @@ def eight_bit_rule(
     Integer products take the compute-dtype rule; products with an 8-bit
     operand (quantized by the user) are bound unchanged; a product that
     ``size_rule`` rejects (on the forward product's ``(m, k, n)``, the weight
-    per :func:`weight_last` with ``weight``) runs in the compute dtype
-    (:func:`compute_dtype_dot`). With ``quantize_last`` False, a product that
-    feeds the loss (the value facts' ``tail``: no other matmul reads its
-    result, e.g. a language model's head) runs in the compute dtype with its
-    traced result dtype, as under the default policy, inside
-    ``jax.named_scope(LOSS_SCOPE)``: the recipes of torchtitan (its MXFP8
+    per :func:`weight_last` with ``weight``) is declined to the default
+    policy's rule (:class:`jaxamp._policy._kinds.Decline`), inside
+    ``jax.named_scope(SMALL_SCOPE)``: a policy that quantizes nothing
+    compiles to the bf16 step's program. With ``quantize_last`` False, a
+    product that feeds the loss (the value facts' ``tail``: no other matmul
+    reads its result, e.g. a language model's head) is declined the same way,
+    inside ``jax.named_scope(LOSS_SCOPE)``: the recipes of torchtitan (its MXFP8
     converter skips the ``output`` layer) and DeepSeek-V3 keep the head in
     high precision, and its input gradient is int8's largest error source
     (``benchmarks/RESULTS_QUANT.md``).
@@ -390,13 +391,11 @@ def eight_bit_rule(
         if np.dtype(lhs.dtype).itemsize == 1 or np.dtype(rhs.dtype).itemsize == 1:
             return jax.lax.dot_general_p.bind(lhs, rhs, **params)
         if not quantize_last and ctx.facts.tail:
-            out = params.get("preferred_element_type") or widest(original_dtypes)
-            with jax.named_scope(LOSS_SCOPE):
-                return compute_dtype_dot(compute_dtype, lhs, rhs, params, out)
+            return Decline(default_amp_policy["dot_general"], LOSS_SCOPE)
         dn = params["dimension_numbers"]
         a, w, dn_aw, _ = weight_last(lhs, rhs, dn, weight)
         if not size_rule(*Dims.of(dn_aw, a.ndim, w.ndim).mkn(a.shape, w.shape)):
-            return compute_dtype_dot(compute_dtype, lhs, rhs, params)
+            return Decline(default_amp_policy["dot_general"], SMALL_SCOPE)
         with jax.named_scope(scope):
             return quantized(lhs, rhs, dn, compute_dtype)
 
