@@ -36,6 +36,7 @@ from .._base._scopes import marker
 from .._policy._kinds import Decline, ImplementationRule
 from .._policy._lookup import builtin_rule
 from .._policy._rules import default_amp_policy, use_compute_precision
+from ._chips import warn_unpaid
 
 SizeRule = Callable[[int, int, int], bool]
 
@@ -396,9 +397,11 @@ def eight_bit_rule(
         a, w, dn_aw, _ = weight_last(lhs, rhs, dn, weight)
         if not size_rule(*Dims.of(dn_aw, a.ndim, w.ndim).mkn(a.shape, w.shape)):
             return Decline(default_amp_policy["dot_general"], SMALL_SCOPE)
+        warn_unpaid(scope, warned)  # a format the target chip has no rate for
         with jax.named_scope(scope):
             return quantized(lhs, rhs, dn, compute_dtype)
 
+    warned: set = set()  # device kinds this rule has warned about
     rule.__name__ = name
     return ImplementationRule.with_context(rule)
 
