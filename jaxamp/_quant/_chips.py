@@ -23,6 +23,7 @@ from .._base._formats import E4M3, INT8
 from .._base._scopes import marker
 
 FORMATS = ("int8", "fp8")
+_NAMES = {"int8": "int8", "fp8": "FP8"}  # as messages write them
 # The matmul scope marker of each format family's products (E5M2 shares
 # E4M3's label, so its scope too).
 _FAMILY_OF_SCOPE = {INT8.scope: "int8", E4M3.scope: "fp8"}
@@ -182,9 +183,10 @@ def warn_unpaid(scope: str, warned: set) -> None:
     if chip is None or family not in chip.slow or kind in warned:
         return
     warned.add(kind)
+    name, pays = _NAMES[family], _NAMES[chip.format]
     warnings.warn(
-        f"jaxamp: {family} matmuls on {chip.name} (device kind {kind!r}), which "
-        f"has no {family} rate: {chip.slow[family]}. {chip.format} pays there: "
+        f"jaxamp: {name} matmuls on {chip.name} (device kind {kind!r}), which "
+        f"has no {name} rate: {chip.slow[family]}. {pays} pays there: "
         f"{chip.why}; jaxamp.eight_bit_policy() picks it for the device.",
         UserWarning,
         stacklevel=2,
