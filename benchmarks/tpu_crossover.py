@@ -1,15 +1,20 @@
-"""Where 8-bit matmuls start to pay on a TPU, by libtpu's cost model: one
-linear layer's training step (forward, input gradient, weight gradient;
-bfloat16 activations, float32 master weight) compiled for a TPU chip in the
-compute dtype and in 8 bits, over a grid of ``(K, N)`` at ``M`` tokens.
+"""Where 8-bit matmuls start to pay on a TPU, by libtpu's cost model: the
+training step of a stack of MLP blocks (``x + gelu(x @ w_up) @ w_down``,
+``d_model -> 4 d_model -> d_model``, scanned over two layers under
+``jax.checkpoint`` as ``benchmarks/gpu_attention.py``'s GPT is; float32 master
+weights, bfloat16 compute) compiled for a TPU chip in bf16 and in the chip's
+8-bit format, every product quantized but the head's, at a range of
+``d_model``.
 
-Prints, per chip, the 8-bit step's estimated cycles over the bf16 step's
-for each ``(K, N)``: the size rules of ``jaxamp/_quant/_chips.py`` are read
-off these tables (``benchmarks/RESULTS_TPU.md``). Estimated by libtpu's cost
-model (``tpu_target.estimated_cycles``), not measured. Needs libtpu
-(``tpu_target.available()``)::
+The 8-bit step pays where its estimated cycles fall below the bf16 step's:
+the size rules of ``jaxamp/_quant/_chips.py`` quantize a product whose
+contraction and output width both reach the smallest such ``d_model``
+(``benchmarks/RESULTS_TPU.md``). The scan is unrolled (a straight-line
+program, as ``tpu_target.estimated_cycles`` sums); jaxamp still quantizes each
+stacked weight once before it. Estimated by libtpu's cost model, not
+measured. Needs libtpu (``tpu_target.available()``)::
 
-    JAX_PLATFORMS=cpu python benchmarks/tpu_crossover.py --chip v5e,v6e,v5p,tpu7x
+    JAX_PLATFORMS=cpu python benchmarks/tpu_crossover.py --chip v5e,v6e,tpu7x
 """
 
 from __future__ import annotations
@@ -24,76 +29,78 @@ import tpu_target
 import jaxamp
 
 BF16, F32 = jnp.bfloat16, jnp.float32
-SIZES = (512, 1024, 2048, 4096, 8192)
+LAYERS, HEAD = 2, 256
 
 
-def layer_step(policy):
-    """``(x, w) -> (dx, dw)`` of ``sum(amp(x @ w) ** 2)`` under ``policy``."""
+def loss(p, x):
+    """The MLP stack's loss: scanned checkpointed blocks, a small head."""
 
-    def loss(x, w):
-        return jnp.sum(jnp.square((x @ w).astype(F32)))
+    @jax.checkpoint
+    def block(h, w):
+        up, down = w
+        return h + jax.nn.gelu(h @ up) @ down, None
 
-    return jax.grad(jaxamp.amp(loss, compute_dtype=BF16, amp_policy=policy), (0, 1))
-
-
-def policies(fmt: str) -> dict:
-    """The bf16 step and the 8-bit one (every product quantized)."""
-    every = dict(size_rule=None, quantize_last_matmul=True)
-    eight = {"int8": jaxamp.int8_policy, "fp8": jaxamp.fp8_policy}[fmt](**every)
-    return {"bf16": jaxamp.default_amp_policy, fmt: eight}
+    h, _ = jax.lax.scan(block, x, (p["up"], p["down"]), unroll=True)
+    return jnp.mean(jnp.square(h @ p["head"]))
 
 
-def ratio(chip: str, fmt: str, m: int, k: int, n: int) -> float:
-    """The 8-bit step's estimated cycles over the bf16 step's."""
-    x, w = jax.ShapeDtypeStruct((m, k), BF16), jax.ShapeDtypeStruct((k, n), F32)
-    cycles = {
-        name: tpu_target.estimated_cycles(
-            tpu_target.compile_for(layer_step(p), x, w, chip=chip)
-        )
-        for name, p in policies(fmt).items()
+def shapes(m: int, d: int) -> tuple:
+    s = jax.ShapeDtypeStruct
+    p = {
+        "up": s((LAYERS, d, 4 * d), F32),
+        "down": s((LAYERS, 4 * d, d), F32),
+        "head": s((d, HEAD), F32),
     }
-    return cycles[fmt] / cycles["bf16"]
+    return p, s((m, d), F32)
+
+
+def step_cycles(chip: str, policy, m: int, d: int) -> int:
+    """libtpu's estimated cycles of one SGD step of the stack under ``policy``."""
+    grad = jax.grad(jaxamp.amp(loss, compute_dtype=BF16, amp_policy=policy))
+
+    def step(p, x):
+        return jax.tree.map(lambda a, g: a - 1e-3 * g, p, grad(p, x))
+
+    compiled = tpu_target.compile_for(
+        step, *shapes(m, d), chip=chip, donate_argnums=(0,)
+    )
+    return tpu_target.estimated_cycles(compiled)
+
+
+def eight_bit(fmt: str):
+    make = {"int8": jaxamp.int8_policy, "fp8": jaxamp.fp8_policy}[fmt]
+    return make(size_rule=None)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--chip", default="v5e", help="comma-separated: v5e,v6e,v5p,tpu7x")
     ap.add_argument("--format", default="", help="int8 or fp8 (default: the chip's)")
-    ap.add_argument("--m", type=int, default=4096, help="tokens (rows of x)")
-    ap.add_argument(
-        "--sizes",
-        default=",".join(map(str, SIZES)),
-        help="K and N of the grid, comma-separated",
-    )
-    ap.add_argument(
-        "--points",
-        default="",
-        help="K:N pairs instead of the grid, e.g. 4096:16384,16384:4096",
-    )
+    ap.add_argument("--m", type=int, default=4096, help="tokens a step")
+    ap.add_argument("--d", default="1024,2048,4096", help="d_model values")
     a = ap.parse_args(argv)
     reason = tpu_target.available()
     if reason:
         print(reason, file=sys.stderr)
         return 1
-    sizes = [int(s) for s in a.sizes.split(",")]
-    points = [tuple(map(int, p.split(":"))) for p in a.points.split(",") if p]
     for chip in a.chip.split(","):
         kind = tpu_target.device(chip).device_kind
         fmt = a.format or jaxamp.quant.eight_bit_choice(kind).format
         print(
-            f"\n{chip} ({kind}): {fmt} step / bf16 step, estimated cycles "
-            f"(libtpu's cost model, not measured), M = {a.m}"
+            f"\n{chip} ({kind}), {a.m} tokens, {LAYERS} scanned MLP blocks: estimated "
+            "cycles per step (libtpu's cost model, not measured)\n\n"
+            f"| d_model | products (K, N) | bf16 M cycles | {fmt} M cycles | "
+            f"{fmt} / bf16 |\n|---|---|---|---|---|",
+            flush=True,
         )
-        if points:
-            print("| K | N | ratio |\n|---|---|---|")
-            for k, n in points:
-                print(f"| {k} | {n} | {ratio(chip, fmt, a.m, k, n):.3f} |", flush=True)
-            continue
-        print("| K \\ N | " + " | ".join(map(str, sizes)) + " |")
-        print("|---" * (len(sizes) + 1) + "|")
-        for k in sizes:
-            cells = [f"{ratio(chip, fmt, a.m, k, n):.3f}" for n in sizes]
-            print(f"| {k} | " + " | ".join(cells) + " |", flush=True)
+        for d in map(int, a.d.split(",")):
+            bf16 = step_cycles(chip, jaxamp.default_amp_policy, a.m, d)
+            low = step_cycles(chip, eight_bit(fmt), a.m, d)
+            print(
+                f"| {d} | ({d}, {4 * d}), ({4 * d}, {d}) | {bf16 / 1e6:.2f} | "
+                f"{low / 1e6:.2f} | {low / bf16:.3f} |",
+                flush=True,
+            )
     return 0
 
 
