@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 from .. import _compat
@@ -30,22 +29,6 @@ _FAMILY_OF_SCOPE = {INT8.scope: "int8", E4M3.scope: "fp8"}
 
 
 @dataclasses.dataclass(frozen=True)
-class min_k_or_n:  # noqa: N801 (used like a function)
-    """Size rule: quantize a matmul whose contraction ``K`` or output width
-    ``N`` reaches ``size`` and whose other one reaches ``floor``: the shape of
-    a TPU's crossover by libtpu's cost model (``benchmarks/tpu_crossover.py``),
-    where the 8-bit step's extra passes over the weight (``K x N``) and the
-    activations (``M x K``, ``M x N``) must be repaid by the products."""
-
-    size: int
-    floor: int
-
-    def __call__(self, m: int, k: int, n: int) -> bool:
-        del m
-        return max(k, n) >= self.size and min(k, n) >= self.floor
-
-
-@dataclasses.dataclass(frozen=True)
 class Chip:
     """One row of the table.
 
@@ -55,8 +38,11 @@ class Chip:
             a kind that continues with a space or a hyphen).
         format: ``"int8"`` or ``"fp8"``: the format that pays there.
         why: the reason, for the docstring, the report and the warnings.
-        size_rule: ``(m, k, n) -> bool``; None: the format's own default
-            (torchao's H100 crossover).
+        min_size: the chip's size rule: quantize a product whose contraction
+            ``K`` and output width ``N`` both reach it (the smallest
+            ``d_model`` of ``benchmarks/tpu_crossover.py``'s MLP stack whose
+            8-bit step the cost model prices below the bf16 step's); None: the
+            format's own default (torchao's H100 crossover).
         slow: format -> what it costs there (for a format the chip has no
             rate for; asking for it warns once).
     """
@@ -65,7 +51,7 @@ class Chip:
     kinds: tuple[str, ...]
     format: str
     why: str
-    size_rule: Callable[[int, int, int], bool] | None = None
+    min_size: int | None = None
     slow: dict = dataclasses.field(default_factory=dict)
 
     @property
@@ -90,7 +76,7 @@ CHIPS = (
         "int8",
         "TPU v5e's MXU runs s8 x s8 -> s32 at twice its bf16 rate (394 vs 197 "
         "TOP/s) and has no FP8 rate",
-        min_k_or_n(8192, 2048),
+        2048,  # d_model 1024: 1.21x the bf16 step's cycles; 2048: 0.90x
         {
             "fp8": "1.027x the bf16 step's cycles for gpt4096 (e4m3 products at "
             f"0.96x bf16's rate; {_TPU_EST}), int8 0.878x"
@@ -103,7 +89,7 @@ CHIPS = (
         "TPU v6e runs s8 x s8 -> s32 at twice its bf16 rate (1836 vs 918 "
         "TOP/s) and publishes no FP8 rate (libtpu prices e4m3 products at "
         "0.80x bf16's)",
-        min_k_or_n(8192, 2048),
+        4096,  # the gpt4096 step pays (0.95x); 2048 not priced here
     ),
     Chip(
         "TPU v5p",
@@ -111,7 +97,7 @@ CHIPS = (
         "int8",
         "TPU v5p runs s8 x s8 -> s32 at twice its bf16 rate (918 vs 459 "
         "TOP/s) and has no FP8 rate",
-        min_k_or_n(8192, 2048),
+        2048,  # v5e's (not priced here): its HBM per FLOP is higher
     ),
     Chip(
         "TPU7x",
@@ -119,7 +105,7 @@ CHIPS = (
         "fp8",
         "TPU7x runs FP8 at twice its bf16 rate (4614 vs 2307 TFLOP/s per chip) "
         "and s8 at bf16's (libtpu's cost model)",
-        min_k_or_n(4096, 2048),
+        2048,  # d_model 1024: 1.06x the bf16 step's cycles; 2048: 0.81x
         {
             "int8": "1.031x the bf16 step's cycles for gpt4096 (s8 products at "
             f"bf16's rate; {_TPU_EST}), FP8 0.718x"

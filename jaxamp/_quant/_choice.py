@@ -16,6 +16,7 @@ from ._chips import CHIPS, chip_of, device_kind_of
 from ._common import (
     SizeRule,
     check_size_rule,
+    min_matmul_size,
     scoped_policy,
     torchao_rowwise_size_rule,
     torchao_tensorwise_size_rule,
@@ -78,9 +79,10 @@ def eight_bit_choice(device: Any = None) -> EightBitChoice:
             f"jaxamp knows {', '.join(c.name for c in CHIPS)}. Pick the format "
             "yourself: jaxamp.int8_policy() or jaxamp.fp8_policy()."
         )
-    rule = chip.size_rule
-    if rule is None:  # the format's own default (torchao's H100 crossover)
+    if chip.min_size is None:  # the format's own default (torchao's H100 crossover)
         rule = _DEFAULT_SIZE_RULES[chip.format]
+    else:
+        rule = min_matmul_size(k=chip.min_size, n=chip.min_size)
     return EightBitChoice(chip.name, kind, chip.format, chip.why, rule)
 
 
