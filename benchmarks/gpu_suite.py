@@ -208,7 +208,9 @@ def eight_bit_variants(
     With ``recipes``, ``jaxamp int8 wgrad`` (and ``... nearest``) run the
     weight gradient in int8 too (and round gradients to nearest): the bound of
     int8's speed on a GPU once the recipe gives up SwitchBack's 16-bit weight
-    gradient (and unbiased rounding), timed beside the default recipe.
+    gradient (and unbiased rounding), timed beside the default recipe. On a
+    CPU (not a dry run: the compile-only tools), ``jaxamp 8-bit <target>``
+    is :func:`jaxamp.eight_bit_policy` for each of :data:`TARGET_KINDS`.
     """
     base = ga.make_loss(size, None, hand=False)
     kw = {"size_rule": None} if dry_run else {}
@@ -224,7 +226,26 @@ def eight_bit_variants(
         found["jaxamp int8 wgrad nearest"] = amp(
             jaxamp.int8_policy(wgrad=True, stochastic_rounding=False, **kw)
         )
+    if not dry_run and jax.default_backend() == "cpu":
+        # Compiled for a target on a CPU (tpu_roofline.py, gpu_roofline.py
+        # --gpu): the chip's choice for each target, by name. On a GPU the
+        # chip's choice is "jaxamp fp8" (H100, B200) or "jaxamp int8" (A100).
+        for target, kind in TARGET_KINDS.items():
+            found[f"jaxamp 8-bit {target}"] = amp(jaxamp.eight_bit_policy(kind))
     return found
+
+
+# The device kinds of the compile-only targets (tpu_target.py's topologies;
+# gpu_target.py's H100 and gpu_roofline.py's --gpu a100 / b200 target texts).
+TARGET_KINDS = {
+    "v5e": "TPU v5 lite",
+    "v6e": "TPU v6 lite",
+    "v5p": "TPU v5",
+    "tpu7x": "TPU7x",
+    "h100": "NVIDIA H100 80GB HBM3",
+    "b200": "NVIDIA B200",
+    "a100": "NVIDIA A100-SXM4-80GB",
+}
 
 
 EIGHT_BIT_COLUMNS = [

@@ -145,9 +145,10 @@ def compile_for(
     )
     jitted = jax.jit(fn, donate_argnums=tuple(donate_argnums))
     # jaxamp's backend-dependent choices (XLA:CPU's bfloat16 slices, its
-    # transposed-product barrier, cuDNN attention) are the target's.
+    # transposed-product barrier, cuDNN attention) and chip-dependent ones
+    # (jaxamp.eight_bit_policy's format) are the target's.
     backend = {"h100": "gpu", "cpu": "cpu"}.get(target, jax.default_backend())
-    with _compat.target_backend(backend):
+    with _compat.target_backend(backend, sharding.mesh.devices.flat[0]):
         return jitted.lower(*shapes).compile()
 
 

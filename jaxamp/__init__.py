@@ -35,6 +35,7 @@ from . import training as training
 from ._amp import amp as amp
 from ._amp import amp_stop as amp_stop
 from ._base._moved import moved_names as _moved_names
+from .quant import eight_bit_policy as eight_bit_policy
 from .quant import fp8_amp_policy as fp8_amp_policy
 from .quant import fp8_policy as fp8_policy
 from .quant import int8_amp_policy as int8_amp_policy
@@ -151,6 +152,7 @@ __all__ = (
     "attention_rule",
     "default_amp_policy",
     "dynamic_scale_value_and_grad",
+    "eight_bit_policy",
     "extend",
     "find_overflows",
     "fp8_amp_policy",

@@ -120,19 +120,29 @@ def eqn_context(eqn: Any, name_stack_prefix: Any = None):
 _TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "jaxamp_target_backend", default=None
 )
+# The device kind of the target (``Device.device_kind``), or None where the
+# target names only a backend.
+_TARGET_KIND: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "jaxamp_target_device_kind", default=None
+)
 
 
 @contextlib.contextmanager
-def target_backend(name: str):
-    """Trace for backend ``name`` (``"gpu"``, ``"cpu"``) instead of the default
-    one: for a program compiled ahead of time for another device (an H100
-    target compiled on a CPU, ``benchmarks/gpu_target.py``), the choices that
-    depend on the backend (:func:`bf16_slices_widen`, :func:`runnable_product`,
-    :func:`cudnn_backend`) are that device's."""
-    token = _TARGET.set(name)
+def target_backend(name: str, device: Any = None):
+    """Trace for backend ``name`` (``"gpu"``, ``"tpu"``, ``"cpu"``) instead of
+    the default one: for a program compiled ahead of time for another device
+    (an H100 or a TPU target compiled on a CPU, ``benchmarks/gpu_target.py``,
+    ``benchmarks/tpu_target.py``), the choices that depend on the backend
+    (:func:`bf16_slices_widen`, :func:`runnable_product`,
+    :func:`cudnn_backend`) are that device's. ``device``: the target device
+    (a compile-only topology's ``jax.Device``) or its ``device_kind`` string,
+    for the choices that depend on the chip (:func:`target_device_kind`)."""
+    kind = device if device is None or isinstance(device, str) else device.device_kind
+    token, kind_token = _TARGET.set(name), _TARGET_KIND.set(kind)
     try:
         yield
     finally:
+        _TARGET_KIND.reset(kind_token)
         _TARGET.reset(token)
 
 
@@ -140,6 +150,16 @@ def backend() -> str:
     """The backend jaxamp traces for: :func:`target_backend`'s, else JAX's
     default."""
     return _TARGET.get() or jax.default_backend()
+
+
+def target_device_kind() -> str | None:
+    """The ``device_kind`` of the device jaxamp traces for: the one given to
+    :func:`target_backend`; None under a target backend named without a device
+    (the chip is not known); else JAX's first default device's (``"TPU v5
+    lite"``, ``"NVIDIA H100 80GB HBM3"``, ``"cpu"``)."""
+    if _TARGET.get() is not None:
+        return _TARGET_KIND.get()
+    return jax.devices()[0].device_kind
 
 
 def bf16_slices_widen() -> bool:

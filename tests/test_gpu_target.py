@@ -459,3 +459,16 @@ def test_xla_attention_control():
     post = compiled(attention_grad("xla"), QKV, QKV, QKV)
     assert not any("cudnn" in c for c in custom_calls(post))
     assert len(gemms(post)) >= 4  # q k^T and p v, and their gradients
+
+
+# --- 4. the 8-bit format for the chip ----------------------------------------
+
+
+def test_h100_target_picks_fp8():
+    device = gpu_target._sharding("h100").mesh.devices.flat[0]
+    choice = jaxamp.quant.eight_bit_choice(device)
+    assert (choice.chip, choice.format) == ("H100", "fp8")
+    policy = jaxamp.eight_bit_policy(device, size_rule=None, quantize_last_matmul=True)
+    post = compiled(mlp_grad(amp_policy=policy), MLP, X)
+    assert len(gemms(post)) == 5
+    assert all(all(d.startswith("f8") for d in g[0]) for g in gemms(post))

@@ -191,6 +191,17 @@ def test_default_size_rule_skips_the_small_gpt():
     assert {r.reason for r in linear} == {"below the size rule"}
 
 
+@pytest.mark.parametrize("last", [False, True])
+def test_policy_that_quantizes_nothing_traces_the_bf16_program(last):
+    # A product below the size rule, and (quantize_last_matmul=False) the one
+    # feeding the loss, are declined to the default rule: the gradient's
+    # jaxpr is the bf16 one but for the markers in its name stacks (which the
+    # printed jaxpr does not show). TPU programs: tests/test_tpu_target.py.
+    bf16 = grad_jaxpr(jaxamp.default_amp_policy)
+    for make in (jaxamp.int8_policy, jaxamp.fp8_policy):
+        assert str(grad_jaxpr(make(quantize_last_matmul=last))) == str(bf16)
+
+
 def test_report_names_scopes_shapes_and_formats():
     f = jaxamp.amp(
         gpt,

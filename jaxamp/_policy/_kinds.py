@@ -7,7 +7,8 @@ paths, special keys) to one of:
   signature); amp binds the primitive with the inputs it returns;
 * :class:`CarryRule`: a cast rule applied to a loop's carries (the ``scan``
   entry of the default policy);
-* :class:`ImplementationRule`: runs the equation itself (int8 and FP8 matmuls);
+* :class:`ImplementationRule`: runs the equation itself (int8 and FP8 matmuls),
+  or returns a :class:`Decline` to leave it to a cast rule;
 * :class:`AttentionRule`: the value of the ``"attention"`` key, how amp runs
   attention;
 * :class:`ResidualRule`: the value of the ``"residuals"`` key, how the values
@@ -176,6 +177,24 @@ class ImplementationRule:
 
     def __repr__(self) -> str:
         return f"ImplementationRule({getattr(self.fn, '__name__', self.fn)!s})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Decline:
+    """What an :class:`ImplementationRule` returns for an equation it leaves
+    to a cast rule: amp then casts, binds and saves the equation as that rule
+    decides, exactly as under a policy that maps the primitive to ``rule``
+    (an 8-bit rule's product below its size rule is the default policy's
+    product, not an imitation of it).
+
+    Attributes:
+        rule: the :class:`CastRule` (or 0.0.4-style function) that decides.
+        scope: a ``jax.named_scope`` marker put around the equation (why it
+            was declined: ``jaxamp.quantization_report`` reads it), or None.
+    """
+
+    rule: Callable[..., Any]
+    scope: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

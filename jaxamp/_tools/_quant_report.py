@@ -14,6 +14,7 @@ from .._base import _structure
 from .._base._dtypes import is_float
 from .._base._formats import label_of
 from .._base._scopes import eqn_scopes, scope_path
+from .._quant._chips import SCOPES as CHIP_SCOPES
 from .._quant._common import (
     KEPT_SCOPE,
     LOSS_SCOPE,
@@ -78,7 +79,10 @@ class MatmulRecord(NamedTuple):
             compute dtype by the recipe"`` (int8's default wgrad),
             ``"fused attention"`` (re-dispatched attention, never quantized),
             ``"integer operands"``, or ``"not quantized by the policy"``;
-            ``""`` for an 8-bit product.
+            for an 8-bit product of :func:`jaxamp.eight_bit_policy`, the
+            format it picked, for which chip and why (``"int8 pays on TPU
+            v5e: TPU v5e's MXU runs s8 x s8 -> s32 at twice its bf16 rate
+            ..."``); ``""`` for another 8-bit product.
     """
 
     scope: str
@@ -109,7 +113,12 @@ def _record(eqn: Any, weight: float, scopes: tuple) -> MatmulRecord:
     if all(map(_is_8bit, names)):
         labels = [label_of(lhs.dtype), label_of(rhs.dtype)]  # registered formats'
         fmt = labels[0] if labels[0] == labels[1] else " x ".join(labels)
-        reason = ""
+        chips = [CHIP_SCOPES[s] for s in scopes if s in CHIP_SCOPES]
+        reason = (
+            f"{chips[0].format} pays on {chips[0].name}: {chips[0].why}"
+            if chips
+            else ""
+        )
     else:
         fmt = names[0] if names[0] == names[1] else " x ".join(names)
         reasons = [text for scope, text in _REASONS if scope in scopes]

@@ -1,13 +1,17 @@
 """8-bit matmuls: FP8 and int8 recipes, their policies, rules and products.
 
-``fp8_policy``, ``int8_policy`` and the ready-made ``fp8_amp_policy`` /
-``int8_amp_policy`` are also at the top level. The registry of 8-bit formats
+``fp8_policy``, ``int8_policy``, the ready-made ``fp8_amp_policy`` /
+``int8_amp_policy`` and ``eight_bit_policy`` (the format that pays on the
+device) are also at the top level. The registry of 8-bit formats
 is in :mod:`jaxamp.extend`; the FP8 quantizer is :func:`fp8_quantize` (the old
 spellings are served here for one release with a ``DeprecationWarning``,
 :data:`_MOVED`).
 """
 
 from .._base._moved import moved_names as _moved_names
+from .._quant._choice import EightBitChoice as EightBitChoice
+from .._quant._choice import eight_bit_choice as eight_bit_choice
+from .._quant._choice import eight_bit_policy as eight_bit_policy
 from .._quant._common import min_matmul_size as min_matmul_size
 from .._quant._common import torchao_rowwise_size_rule as torchao_rowwise_size_rule
 from .._quant._common import (
@@ -38,7 +42,10 @@ __getattr__ = _moved_names("jaxamp.quant", _MOVED)
 
 
 __all__ = (
+    "EightBitChoice",
     "Int8Recipe",
+    "eight_bit_choice",
+    "eight_bit_policy",
     "fp8_amp_policy",
     "fp8_dot_general",
     "fp8_policy",
