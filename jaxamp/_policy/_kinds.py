@@ -179,6 +179,26 @@ class ImplementationRule:
 
 
 @dataclasses.dataclass(frozen=True)
+class Delegate:
+    """What an :class:`ImplementationRule` returns to leave its equation to a
+    cast rule: amp then runs the equation exactly as a policy with ``rule``
+    under its key would (casts, residuals, bind steps), inside
+    ``jax.named_scope(scope)`` when ``scope`` is given. An 8-bit rule returns
+    one for a product it does not quantize (below its size rule, or the one
+    feeding the loss), so that a policy that quantizes nothing compiles to the
+    compute-dtype step's program; ``scope`` (a registered marker) tells
+    ``jaxamp.quantization_report`` why.
+
+    Attributes:
+        rule: the :class:`CastRule` to apply.
+        scope: a name-stack marker around the equation, or None.
+    """
+
+    rule: CastRule
+    scope: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class AttentionRule:
     """Value of the ``"attention"`` policy key: how amp runs the attention it
     recognises (see :func:`jaxamp.attention_rule`). Valid only under that key

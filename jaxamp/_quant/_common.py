@@ -30,12 +30,15 @@ from typing import Any
 import jax
 import numpy as np
 
-from .. import _compat
-from .._base._dtypes import is_float, widest
+from .._base._dtypes import is_float
 from .._base._scopes import marker
-from .._policy._kinds import ImplementationRule
+from .._policy._kinds import Delegate, ImplementationRule
 from .._policy._lookup import builtin_rule
-from .._policy._rules import default_amp_policy, use_compute_precision
+from .._policy._rules import (
+    default_amp_policy,
+    use_compute_precision,
+    use_lower_precision,
+)
 
 SizeRule = Callable[[int, int, int], bool]
 
@@ -369,15 +372,17 @@ def eight_bit_rule(
     Integer products take the compute-dtype rule; products with an 8-bit
     operand (quantized by the user) are bound unchanged; a product that
     ``size_rule`` rejects (on the forward product's ``(m, k, n)``, the weight
-    per :func:`weight_last` with ``weight``) runs in the compute dtype
-    (:func:`compute_dtype_dot`). With ``quantize_last`` False, a product that
-    feeds the loss (the value facts' ``tail``: no other matmul reads its
-    result, e.g. a language model's head) runs in the compute dtype with its
-    traced result dtype, as under the default policy, inside
-    ``jax.named_scope(LOSS_SCOPE)``: the recipes of torchtitan (its MXFP8
-    converter skips the ``output`` layer) and DeepSeek-V3 keep the head in
-    high precision, and its input gradient is int8's largest error source
-    (``benchmarks/RESULTS_QUANT.md``).
+    per :func:`weight_last` with ``weight``) is left to the default policy's
+    matmul rule (a :class:`jaxamp._policy._kinds.Delegate`, inside
+    ``jax.named_scope(SMALL_SCOPE)``): amp runs it exactly as the
+    compute-dtype step does (casts, residuals, result dtype), so a policy
+    that quantizes nothing compiles to that step's program. With
+    ``quantize_last`` False, a product that feeds the loss (the value facts'
+    ``tail``: no other matmul reads its result, e.g. a language model's head)
+    is left to it too, inside ``jax.named_scope(LOSS_SCOPE)``: the recipes
+    of torchtitan (its MXFP8 converter skips the ``output`` layer) and
+    DeepSeek-V3 keep the head in high precision, and its input gradient is
+    int8's largest error source (``benchmarks/RESULTS_QUANT.md``).
     """
 
     def rule(ctx, lhs, rhs, **params):
@@ -390,13 +395,11 @@ def eight_bit_rule(
         if np.dtype(lhs.dtype).itemsize == 1 or np.dtype(rhs.dtype).itemsize == 1:
             return jax.lax.dot_general_p.bind(lhs, rhs, **params)
         if not quantize_last and ctx.facts.tail:
-            out = params.get("preferred_element_type") or widest(original_dtypes)
-            with jax.named_scope(LOSS_SCOPE):
-                return compute_dtype_dot(compute_dtype, lhs, rhs, params, out)
+            return Delegate(use_lower_precision, LOSS_SCOPE)
         dn = params["dimension_numbers"]
         a, w, dn_aw, _ = weight_last(lhs, rhs, dn, weight)
         if not size_rule(*Dims.of(dn_aw, a.ndim, w.ndim).mkn(a.shape, w.shape)):
-            return compute_dtype_dot(compute_dtype, lhs, rhs, params)
+            return Delegate(use_lower_precision, SMALL_SCOPE)
         with jax.named_scope(scope):
             return quantized(lhs, rhs, dn, compute_dtype)
 
@@ -419,66 +422,6 @@ def narrowed(x: jax.Array, compute_dtype: Any) -> jax.Array:
     if cd == np.dtype(jax.numpy.bfloat16) and np.dtype(x.dtype).itemsize > 2:
         return x.astype(cd)
     return x
-
-
-def compute_dtype_dot(
-    compute_dtype: Any,
-    lhs: jax.Array,
-    rhs: jax.Array,
-    params: dict,
-    out_dtype: Any = None,
-) -> jax.Array:
-    """``dot_general`` of float operands in the compute dtype (what the default
-    rule does), for a matmul that an 8-bit rule leaves unquantized; its result
-    in ``out_dtype`` (default: the compute dtype).
-
-    Inputs wider than the compute dtype are cast inside ``jax.checkpoint``, so
-    the backward pass re-casts them instead of saving their low-precision
-    copies (the interpreter does the same for the default rule). Inputs that
-    are all narrower than the compute dtype are left as they are.
-    """
-    cd = np.dtype(compute_dtype)
-    floats = [np.dtype(x.dtype) for x in (lhs, rhs) if is_float(x.dtype)]
-    if floats and all(f.itemsize < cd.itemsize for f in floats):
-        return jax.lax.dot_general_p.bind(lhs, rhs, **params)
-    out = cd if out_dtype is None else np.dtype(out_dtype)
-    new_params = {**params, "preferred_element_type": out}
-
-    def run(a, b):
-        a, b = (x.astype(cd) if is_float(x.dtype) else x for x in (a, b))
-        if out.itemsize > cd.itemsize and is_float(a.dtype) and is_float(b.dtype):
-            return _wide_result_dot(a, b, new_params, cd)
-        return jax.lax.dot_general_p.bind(a, b, **new_params)
-
-    with jax.named_scope(SMALL_SCOPE):
-        if any(f.itemsize > cd.itemsize for f in floats):
-            return jax.checkpoint(run)(lhs, rhs)
-        return run(lhs, rhs)
-
-
-def _wide_result_dot(a, b, params: dict, compute_dtype: Any) -> jax.Array:
-    """``dot_general`` of compute-dtype operands with a wider result (the
-    head's float32 logits), whose backward products take the cotangent in the
-    compute dtype with compute-dtype results, as the default rule's do: a
-    float32 cotangent would make them float32 x float32 GEMMs (TF32 on a GPU)."""
-    dn = params["dimension_numbers"]
-
-    @jax.custom_vjp
-    def dot(a, b):
-        return jax.lax.dot_general_p.bind(a, b, **params)
-
-    def fwd(a, b):
-        return dot(a, b), (a, b)
-
-    def bwd(res, g):
-        a, b = res
-        g = g.astype(compute_dtype)
-        da = _compat.dot_general_transpose_lhs(g, a, b, dn, compute_dtype)
-        db = _compat.dot_general_transpose_rhs(g, a, b, dn, compute_dtype)
-        return da.astype(a.dtype), db.astype(b.dtype)
-
-    dot.defvjp(fwd, bwd)
-    return dot(a, b)
 
 
 def scoped_policy(

@@ -36,7 +36,7 @@ from .._base._cast import cast_cache, restore, widen
 from .._base._jaxpr import read, write
 from .._base._scopes import eqn_scopes
 from .._policy._context import RuleContext, TracedDtypes, rule_context
-from .._policy._kinds import ImplementationRule
+from .._policy._kinds import Delegate, ImplementationRule
 from .._policy._lookup import AmpPolicy
 from .._values import _facts
 
@@ -410,7 +410,17 @@ def decide(rule: Callable, ctx: RuleContext, *invars: Any, **params: Any) -> Any
 def _apply_rule(prim, params: dict, invals: list, ctx: AmpContext, rc) -> Any:
     rule = ctx.policy.lookup(prim, rc.scopes)
     if isinstance(rule, ImplementationRule):  # runs the equation itself
-        return rule.decide(rc, *invals, **params)
+        out = rule.decide(rc, *invals, **params)
+        if not isinstance(out, Delegate):
+            return out
+        if out.scope is None:  # or leaves it to a cast rule
+            return _apply_cast_rule(prim, out.rule, params, invals, ctx, rc)
+        with jax.named_scope(out.scope):
+            return _apply_cast_rule(prim, out.rule, params, invals, ctx, rc)
+    return _apply_cast_rule(prim, rule, params, invals, ctx, rc)
+
+
+def _apply_cast_rule(prim, rule, params: dict, invals: list, ctx: AmpContext, rc):
     pipeline = ctx.pipeline
     call = RuleCall(prim, rule, params, rc, pipeline.binder(rc))
     if rule is ctx.policy.stop_rule or pipeline.residuals is None:
