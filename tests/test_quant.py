@@ -346,12 +346,23 @@ def test_stochastic_rounding_is_unbiased():
 
 def test_rounding_noise_changes_with_the_data_and_repeats_for_equal_inputs():
     g1 = normal(5, (64, 64))
-    g2 = g1.at[3, 7].add(1e-3)  # the next step's gradient: one element differs
+    # The next step's gradient: every element differs a little.
+    g2 = g1 * (1 + 1e-3 * normal(6, (64, 64)))
     n1, n2 = NOISE(g1, 0), NOISE(g2, 0)
     assert np.array_equal(n1, NOISE(g1, 0))  # identical inputs, identical noise
     assert np.array_equal(n1, rounding_noise(g1))  # jitted or not
     assert float(jnp.mean(n1 == n2)) < 0.01  # all elements get fresh noise
     assert abs(float(jnp.corrcoef(n1.ravel(), n2.ravel())[0, 1])) < 0.05
+    # One element changed below the amax: its own noise is fresh; a changed
+    # amax (here a row's, as the quantization passes them) refreshes all.
+    g3 = g1.at[3, 7].add(1e-3)
+    row_amax = lambda g: jnp.max(jnp.abs(g), axis=1, keepdims=True)
+    n3 = rounding_noise(g3, 0, row_amax(g3))
+    n1_rows = rounding_noise(g1, 0, row_amax(g1))
+    assert n3[3, 7] != n1_rows[3, 7]
+    g4 = g1.at[5, 0].set(2 * float(jnp.max(jnp.abs(g1))))
+    n4 = rounding_noise(g4, 0, row_amax(g4))
+    assert float(jnp.mean(n4 == n1_rows)) < 0.01
     # A key (seed) gives an independent stream, reproducible for the same key.
     k1, k2 = NOISE(g1, 1), NOISE(g1, 2)
     assert np.array_equal(k1, NOISE(g1, 1)) and float(jnp.mean(k1 == k2)) < 0.01

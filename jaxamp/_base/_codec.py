@@ -93,28 +93,42 @@ def flat_index(shape: tuple[int, ...], offset: jax.Array | int = 0) -> jax.Array
     return flat
 
 
-def rounding_noise(x: jax.Array, seed: Any = 0) -> jax.Array:
+def rounding_noise(x: jax.Array, seed: Any = 0, amax: Any = None) -> jax.Array:
     """Uniform ``[0, 1)`` noise for stochastic rounding, derived from ``x``.
 
     Each element's noise is a hash of its float32 bits, its flat index, a
-    digest of the whole tensor (wrapping sum of the per-element hashes) and
-    ``seed``. Consequences: the noise changes whenever the data changes (every
-    step, every microbatch), is identical for identical inputs (reruns,
-    recomputation under ``jax.checkpoint``, data-parallel replicas) and needs
-    no key threaded through the training step.
+    digest of the tensor (the wrapping sum of the bit patterns of its
+    ``amax`` values: the quantization's own reductions, one per row) and
+    ``seed``. Consequences: the noise changes whenever the data changes (an
+    element's own value changes its noise; any change of a row's ``amax``,
+    which the next step's or microbatch's gradient brings, changes every
+    element's), is identical for identical inputs (reruns, recomputation
+    under ``jax.checkpoint``, data-parallel replicas) and needs no key
+    threaded through the training step.
+
+    Cost: two multiply-xorshift hashes per element, inside the rounding's own
+    pass; no pass over ``x`` of its own (a digest of every element's bits
+    would be one more read of ``x``, which XLA does not fuse into the
+    ``amax`` reduction).
 
     Args:
         x: float array, any shape and float dtype (hashed as float32).
         seed: a uint32 scalar (array or int) mixed into every element's hash;
             0 for the data-derived noise alone.
+        amax: the float32 ``amax`` values the quantization reduced ``x`` to
+            (any shape); None: ``max |x|``.
 
     Returns:
         float32 array of ``x``'s shape, values ``k * 2**-24`` in ``[0, 1)``.
     """
-    bits = jax.lax.bitcast_convert_type(x.astype(F32), U32)
-    h = mix32(bits ^ mix32(flat_index(x.shape) + np.uint32(0x2545F491)))
-    digest = jnp.sum(h, dtype=U32) ^ jnp.asarray(seed, U32)
-    u = mix32(h ^ mix32(digest))
+    xf = x.astype(F32)
+    if amax is None:
+        amax = jnp.max(jnp.abs(xf))
+    amax_bits = jax.lax.bitcast_convert_type(jnp.asarray(amax, F32), U32)
+    digest = jnp.sum(mix32(amax_bits), dtype=U32) ^ jnp.asarray(seed, U32)
+    key = mix32(mix32(digest) + np.uint32(0x2545F491))
+    bits = jax.lax.bitcast_convert_type(xf, U32)
+    u = mix32(bits ^ mix32(flat_index(x.shape) ^ key))
     return (u >> np.uint32(8)).astype(F32) * np.float32(2.0**-24)
 
 
@@ -356,7 +370,7 @@ def quantize(x: jax.Array, recipe: Recipe) -> tuple[jax.Array, jax.Array]:
         y = v / group.spread(divisor)
     noise = None
     if recipe.rounding == "stochastic":
-        noise = group.split(rounding_noise(xf, recipe.seed))
+        noise = group.split(rounding_noise(xf, recipe.seed, amax))
     q = group.merge(_codes(y, noise, recipe, bound), x.shape)
     return q, stored.astype(recipe.scale_dtype)
 
