@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import train_charlm
@@ -276,3 +277,38 @@ def test_charlm_param_dtype_flag_is_checked(capsys):
         train_charlm.main(["--param-dtype", "float16"])
     assert exit_info.value.code == 2
     assert "--param-dtype: invalid choice" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", ["jmp_bf16", "hand_bf16"])
+def test_charlm_baseline_modes_run_in_bfloat16_without_amp(mode):
+    # jmp's cast-everything policy and the hand-written model: every matmul of
+    # the gradient in bfloat16, a float32 loss within bfloat16's rounding of
+    # float32's at initialisation, float32 gradients for float32 parameters.
+    cfg = train_charlm.Config(batch_size=2, seq_len=16, d_model=64, layers=2, heads=2)
+    params = train_charlm.init_params(jax.random.key(0), cfg)
+    x = np.random.default_rng(0).integers(0, 256, (2, 16)).astype(np.int32)
+    loss = train_charlm.mode_loss(mode, cfg)
+    # jax.nn.dot_product_attention on bfloat16 inputs promotes with float32 in
+    # JAX's own code, which strict promotion (conftest) rejects
+    with jax.numpy_dtype_promotion("standard"):
+        _check_bfloat16_baseline(mode, cfg, params, x, loss)
+
+
+def _check_bfloat16_baseline(mode, cfg, params, x, loss):
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(params, x, x)
+    # all but the attention scores (float32 in jax.nn.dot_product_attention)
+    assert jaxamp.tools.low_precision_flop_share(jaxpr) > 0.95
+    value, grads = jax.value_and_grad(loss)(params, x, x)
+    ref = train_charlm.mode_loss("fp32", cfg)(params, x, x)
+    assert value.dtype == np.float32
+    assert abs(float(value) - float(ref)) < 1e-2 * float(ref)
+    assert {g.dtype for g in jax.tree.leaves(grads)} == {np.dtype(np.float32)}
+    # LayerNorm's normalisation (its rsqrt): float32 in the hand-written
+    # model, bfloat16 under jmp's cast-everything policy
+    rsqrt_dtypes = {
+        e.outvars[0].aval.dtype
+        for e, _ in jaxamp.tools.iter_equations(jax.make_jaxpr(loss)(params, x, x))
+        if e.primitive.name == "rsqrt"
+    }
+    expected = np.float32 if mode == "hand_bf16" else jnp.bfloat16
+    assert rsqrt_dtypes == {np.dtype(expected)}
