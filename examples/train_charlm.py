@@ -986,6 +986,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("steps", "batch_size", "seq_len", "d_model", "layers", "heads"):
         if getattr(cfg, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if cfg.eval_every < 0:
+        p.error("--eval-every must be at least 0 (0: validate at the end only)")
     if cfg.d_model % cfg.heads:
         p.error(f"--d-model {cfg.d_model} is not divisible by --heads {cfg.heads}")
     if cfg.update_in_backward and cfg.mode in ("all", "fp16"):

@@ -118,6 +118,7 @@ def test_charlm_unreadable_data_dir_is_a_one_line_error(tmp_path):
     [
         (["--heads", "3"], "not divisible by --heads 3"),
         (["--steps", "0"], "--steps must be at least 1"),
+        (["--eval-every", "-1"], "--eval-every must be at least 0"),
     ],
 )
 def test_charlm_bad_flags_are_usage_errors(flags, message, capsys):
@@ -312,3 +313,19 @@ def _check_bfloat16_baseline(mode, cfg, params, x, loss):
     }
     expected = np.float32 if mode == "hand_bf16" else jnp.bfloat16
     assert rsqrt_dtypes == {np.dtype(expected)}
+
+
+def test_charlm_validation_curve_leaves_training_unchanged():
+    # --eval-every measures the validation loss on the final evaluation's
+    # batches along the run; the training losses and the final validation loss
+    # are those of a run without it, bit for bit.
+    cfg = train_charlm.Config(**TINY_CHARLM, steps=6, max_bytes=200_000)
+    data = train_charlm.load_corpus(None, cfg.max_bytes)
+    plain = train_charlm.train(cfg, "bf16", data, progress=False)
+    cfg.eval_every = 4
+    curve = train_charlm.train(cfg, "bf16", data, progress=False)
+    assert curve["losses"] == plain["losses"]
+    assert curve["val_loss"] == plain["val_loss"]
+    assert [s for s, _ in curve["val_curve"]] == [4, 6]
+    assert plain["val_curve"] == [(6, plain["val_loss"])]
+    assert curve["val_curve"][0][1] != curve["val_loss"]  # measured at step 4
