@@ -194,7 +194,21 @@ def _commit() -> str:
     return head + ("+dirty" if dirty else "")
 
 
-def train_one(recipe: str, steps: int, seed: int, data, overrides=None) -> dict:
+def _nudged_initial_params(cfg):
+    """``train_charlm.initial_params`` with every float32 parameter moved up by
+    one unit in the last place (``jnp.nextafter``) before the cast to
+    ``cfg.param_dtype``: a change the size of one rounding."""
+    import jax
+    import jax.numpy as jnp
+
+    params = train_charlm.init_params(jax.random.key(cfg.seed), cfg)
+    params = jax.tree.map(lambda a: jnp.nextafter(a, jnp.inf), params)
+    return jax.tree.map(lambda a: a.astype(cfg.param_dtype), params)
+
+
+def train_one(
+    recipe: str, steps: int, seed: int, data, overrides=None, nudge: bool = False
+) -> dict:
     """Trains one run and returns its record (what ``run_path`` holds).
 
     Args:
@@ -203,6 +217,10 @@ def train_one(recipe: str, steps: int, seed: int, data, overrides=None) -> dict:
         seed: the run's seed.
         data: ``(train, val)`` from ``train_charlm.load_corpus``.
         overrides: further ``Config`` fields.
+        nudge: start from the seed's parameters each moved by one unit in the
+            last place (``_nudged_initial_params``): how far a run's final loss
+            moves from a rounding-sized change alone (another machine's
+            arithmetic, say), against how far another seed moves it.
 
     Returns:
         The record: recipe, steps, seed, config, the figures of
@@ -214,7 +232,13 @@ def train_one(recipe: str, steps: int, seed: int, data, overrides=None) -> dict:
     import jax
 
     cfg = run_config(recipe, steps, seed, overrides)
-    r = train_charlm.train(cfg, cfg.mode, data, progress=False)
+    initial = train_charlm.initial_params
+    if nudge:
+        train_charlm.initial_params = _nudged_initial_params
+    try:
+        r = train_charlm.train(cfg, cfg.mode, data, progress=False)
+    finally:
+        train_charlm.initial_params = initial
     val = r["val_loss"]
     return {
         "recipe": recipe,
@@ -231,6 +255,7 @@ def train_one(recipe: str, steps: int, seed: int, data, overrides=None) -> dict:
         "forward_overflows": r["forward_overflows"],
         "final_loss_scale": r["final_loss_scale"],
         "diverged": not math.isfinite(val) or val > DIVERGED_NATS,
+        "nudged_init": nudge,
         "tokens_per_s": r["tokens_per_s"],
         "wall_s": r["wall_s"],
         "commit": _commit(),
@@ -242,9 +267,10 @@ def train_one(recipe: str, steps: int, seed: int, data, overrides=None) -> dict:
     }
 
 
-def _same_config(path: Path, cfg: train_charlm.Config) -> bool:
-    saved = json.loads(path.read_text())["config"]
-    return saved == json.loads(json.dumps(dataclasses.asdict(cfg)))
+def _same_config(path: Path, cfg: train_charlm.Config, nudge: bool) -> bool:
+    saved = json.loads(path.read_text())
+    same = saved["config"] == json.loads(json.dumps(dataclasses.asdict(cfg)))
+    return same and saved.get("nudged_init", False) == nudge
 
 
 def run_study(
@@ -252,6 +278,7 @@ def run_study(
     out: Path,
     overrides: dict | None = None,
     log=print,
+    nudge: bool = False,
 ) -> list[Path]:
     """Trains the runs whose JSON is missing, writing each as it ends.
 
@@ -260,6 +287,7 @@ def run_study(
         out: the study's folder.
         overrides: further ``Config`` fields of every run.
         log: prints one line per run.
+        nudge: ``train_one``'s ``nudge`` for every run.
 
     Returns:
         The paths of the runs trained now.
@@ -272,7 +300,8 @@ def run_study(
     for recipe, steps, seed in runs:
         path = run_path(out, recipe, steps, seed)
         if path.exists():
-            if not _same_config(path, run_config(recipe, steps, seed, overrides)):
+            cfg = run_config(recipe, steps, seed, overrides)
+            if not _same_config(path, cfg, nudge):
                 raise ValueError(
                     f"{path} holds a run with another configuration; pass "
                     "another --out for this one"
@@ -287,7 +316,7 @@ def run_study(
     done = []
     for i, (recipe, steps, seed, path) in enumerate(todo):
         t0 = time.perf_counter()
-        record = train_one(recipe, steps, seed, data, overrides)
+        record = train_one(recipe, steps, seed, data, overrides, nudge)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(record, indent=0))
@@ -594,6 +623,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="FIELD=VALUE",
         help="a train_charlm.Config field for every run (e.g. d_model=32)",
     )
+    p.add_argument(
+        "--nudge-init",
+        action="store_true",
+        help="start every run from its seed's parameters moved by one unit in the "
+        "last place (how far rounding alone moves a run; use another --out)",
+    )
     p.add_argument("--report", action="store_true", help="write the table and plots")
     a = p.parse_args(argv)
     if a.report:
@@ -616,7 +651,8 @@ def main(argv: list[str] | None = None) -> int:
             overrides[key] = value if default is None else type(default)(value)
     steps = None if a.steps is None else [int(s) for s in a.steps.split(",")]
     runs = plan(names, _parse_seeds(a.seeds), steps)
-    run_study(runs, Path(a.out), overrides, log=lambda s: print(s, flush=True))
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    run_study(runs, Path(a.out), overrides, log, nudge=a.nudge_init)
     return 0
 
 

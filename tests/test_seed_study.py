@@ -4,9 +4,11 @@ numbers, its plan, and a tiny study that trains, resumes and reports."""
 import json
 import math
 
+import jax
 import numpy as np
 import pytest
 import seed_study
+import train_charlm
 from scipy import stats
 
 TINY = dict(
@@ -107,6 +109,23 @@ def test_tiny_study_trains_resumes_and_reports(tmp_path):
     # a run of another configuration in the same folder is refused
     with pytest.raises(ValueError, match="another configuration"):
         seed_study.run_study(runs, out, {**TINY, "d_model": 16}, log=lambda s: None)
+
+    # one unit in the last place of every initial parameter: close at first,
+    # not the same run; such runs belong in another folder
+    with pytest.raises(ValueError, match="another configuration"):
+        seed_study.run_study(runs, out, TINY, log=lambda s: None, nudge=True)
+    (path,) = seed_study.run_study(
+        [("fp32", 5, 0)], tmp_path / "nudged", TINY, log=lambda s: None, nudge=True
+    )
+    nudged = json.loads(path.read_text())
+    assert nudged["nudged_init"] and not rec["fp32", 0]["nudged_init"]
+    assert nudged["losses"][0] == pytest.approx(rec["fp32", 0]["losses"][0], abs=1e-5)
+    cfg = seed_study.run_config("fp32", 5, 0, TINY)
+    plain = jax.tree.leaves(train_charlm.initial_params(cfg))
+    moved = jax.tree.leaves(seed_study._nudged_initial_params(cfg))
+    for a, b in zip(plain, moved):  # every element one float32 step up
+        a, b = np.asarray(a), np.asarray(b)
+        assert np.array_equal(b, np.nextafter(a, np.float32(np.inf)))
 
     table = seed_study.report(out, results)
     row = next(
