@@ -598,6 +598,10 @@ def _parse_seeds(text: str) -> list[int]:
             lo, _, hi = part.partition("-")
             seeds += list(range(int(lo), int(hi or lo) + 1))
         return seeds
+    if int(text) < 1:
+        raise ValueError(
+            f"--seeds {text}: a count must be at least 1 (seed 0 alone: 0-0)"
+        )
     return list(range(int(text)))
 
 
@@ -606,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--recipes", default="all", help="comma-separated keys of RECIPES")
     p.add_argument(
-        "--seeds", default="5", help="a count N (seeds 0..N-1) or a list: 0,3-4"
+        "--seeds", default="5", help="a count N (seeds 0..N-1) or a list: 0-0, 0,3-4"
     )
     p.add_argument(
         "--steps",
@@ -650,7 +654,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             overrides[key] = value if default is None else type(default)(value)
     steps = None if a.steps is None else [int(s) for s in a.steps.split(",")]
-    runs = plan(names, _parse_seeds(a.seeds), steps)
+    try:
+        seeds = _parse_seeds(a.seeds)
+    except ValueError as e:
+        p.error(str(e))
+    runs = plan(names, seeds, steps)
     log = lambda s: print(s, flush=True)  # noqa: E731
     run_study(runs, Path(a.out), overrides, log, nudge=a.nudge_init)
     return 0

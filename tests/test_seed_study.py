@@ -147,3 +147,11 @@ def test_tiny_study_trains_resumes_and_reports(tmp_path):
     assert results.read_text().count(seed_study.BEGIN) == 1
     assert results.read_text().startswith("prose before")
     assert results.read_text().endswith("prose after\n")
+
+
+def test_seeds_flag_is_a_count_or_a_list():
+    assert seed_study._parse_seeds("5") == [0, 1, 2, 3, 4]
+    assert seed_study._parse_seeds("0-0") == [0]
+    assert seed_study._parse_seeds("0,3-4") == [0, 3, 4]
+    with pytest.raises(ValueError, match="at least 1"):
+        seed_study._parse_seeds("0")
