@@ -455,7 +455,10 @@ def table(rows: list[dict]) -> str:
     ln2 = math.log(2)
     for r in rows:
         if "diff" in r:
-            diff = f"{r['diff']:+.4f} [{r['low']:+.4f}, {r['high']:+.4f}]"
+            diff = (
+                f"{r['diff']:+.4f} [{r['low']:+.4f}, {r['high']:+.4f}] "
+                f"({r['paired']} pairs)"
+            )
             pct = f"{r['diff_pct']:+.2f} [{r['low_pct']:+.2f}, {r['high_pct']:+.2f}]"
         else:
             diff = pct = "-"
