@@ -21,7 +21,10 @@ forward and dgrad, bfloat16 wgrad). The 8-bit policies' default size rules
 (torchao's GPU crossovers) would keep every matmul of this small model in
 bfloat16, so the ``fp8`` and ``int8`` modes quantize every matmul
 (``size_rule=None``); the table's "8-bit matmul FLOPs" column says which share
-of the step's matmul FLOPs ran in 8 bits.
+of the step's matmul FLOPs ran in 8 bits. Two baselines without ``jaxamp.amp``:
+``jmp_bf16`` (jmp's cast-everything policy, ``params=float32,compute=bfloat16,
+output=float32``) and ``hand_bf16`` (the hand-written bfloat16 model: parameters
+cast at the top, LayerNorm statistics in float32, float32 logits).
 
 Parameter storage (any mode): ``--param-dtype float32`` (the default: float32
 master weights, float32 AdamW moments) or ``--param-dtype bfloat16`` (parameters
@@ -122,10 +125,13 @@ class Config:
             per matrix, no first moment, each matrix's update clipped at RMS
             1, weight decay ``0.1 * lr`` per step) or ``"lion"``
             (``optax.lion`` at a third of ``lr``, weight decay 0.3), each on
-            the same warmup + cosine schedule. The leanest recipe (issue 62)
+            the same warmup + cosine schedule. The leanest recipe
             is ``--mode bf16 --param-dtype bfloat16 --optimizer adafactor
             --opt-state-dtype float32 --residual-dtype int8
             --update-in-backward``.
+        eval_every: also measure the validation loss (on the same
+            ``eval_batches`` batches as the final one) after every this many
+            steps, into the result's ``val_curve``; 0: at the end only.
     """
 
     mode: str = "all"
@@ -151,6 +157,7 @@ class Config:
     residual_dtype: str = "compute"
     update_in_backward: bool = False
     optimizer: str = "adamw"
+    eval_every: int = 0
 
 
 CHOICES = {
@@ -292,39 +299,51 @@ def init_params(key: jax.Array, cfg: Config) -> dict:
     }
 
 
-def layer_norm(x: jax.Array, gain: jax.Array) -> jax.Array:
+def layer_norm(x: jax.Array, gain: jax.Array, f32_stats: bool = False) -> jax.Array:
     """LayerNorm over the last axis, with a gain and no bias.
 
     Args:
         x: activations ``(..., d)``.
         gain: ``(d,)``.
+        f32_stats: mean, variance and normalisation in float32, rounded once
+            to ``x``'s dtype before the gain (what a hand-written bfloat16
+            model does).
 
     Returns:
         The normalised activations, shaped and typed like ``x``.
     """
-    mean = x.mean(-1, keepdims=True)
-    var = jnp.square(x - mean).mean(-1, keepdims=True)
-    return (x - mean) * jax.lax.rsqrt(var + 1e-5) * gain
+    xs = x.astype(jnp.float32) if f32_stats else x
+    mean = xs.mean(-1, keepdims=True)
+    var = jnp.square(xs - mean).mean(-1, keepdims=True)
+    normed = (xs - mean) * jax.lax.rsqrt(var + 1e-5)
+    return (normed.astype(x.dtype) if f32_stats else normed) * gain
 
 
-def forward(params: dict, tokens: jax.Array, heads: int) -> jax.Array:
+def forward(
+    params: dict, tokens: jax.Array, heads: int, hand: bool = False
+) -> jax.Array:
     """The GPT's next-byte logits.
 
     Args:
         params: as returned by ``init_params``.
         tokens: int32 bytes ``(batch, seq)``, ``seq <= cfg.seq_len``.
         heads: attention heads (``d_model`` must be divisible by it).
+        hand: the hand-written bfloat16 model (the ``hand_bf16`` mode): the
+            parameters cast to bfloat16 at the top, LayerNorm statistics in
+            float32, float32 logits.
 
     Returns:
         Logits ``(batch, seq, 256)``; the output embedding is the input one.
     """
     b, t = tokens.shape
+    if hand:
+        params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
     x = params["tok"][tokens] + params["pos"][:t]
 
     @jax.checkpoint
     def block(x, w):
         with jax.named_scope("attn"):
-            h = layer_norm(x, w["ln1"])
+            h = layer_norm(x, w["ln1"], hand)
             q, k, v = jnp.split(h @ w["qkv"], 3, axis=-1)
             split = lambda z: z.reshape(b, t, heads, -1)
             a = jax.nn.dot_product_attention(
@@ -332,16 +351,19 @@ def forward(params: dict, tokens: jax.Array, heads: int) -> jax.Array:
             )
             x = x + a.reshape(b, t, -1) @ w["proj"]
         with jax.named_scope("mlp"):
-            h = layer_norm(x, w["ln2"])
+            h = layer_norm(x, w["ln2"], hand)
             x = x + jax.nn.gelu(h @ w["up"]) @ w["down"]
         return x, None
 
     x, _ = jax.lax.scan(block, x, params["layers"])
     with jax.named_scope("head"):
-        return layer_norm(x, params["ln_f"]) @ params["tok"].T
+        logits = layer_norm(x, params["ln_f"], hand) @ params["tok"].T
+        return logits.astype(jnp.float32) if hand else logits
 
 
-def loss_fn(params: dict, x: jax.Array, y: jax.Array, heads: int) -> jax.Array:
+def loss_fn(
+    params: dict, x: jax.Array, y: jax.Array, heads: int, hand: bool = False
+) -> jax.Array:
     """Mean next-byte cross-entropy.
 
     Args:
@@ -349,11 +371,12 @@ def loss_fn(params: dict, x: jax.Array, y: jax.Array, heads: int) -> jax.Array:
         x: int32 input bytes ``(batch, seq)``.
         y: int32 target bytes ``(batch, seq)``.
         heads: attention heads.
+        hand: the hand-written bfloat16 model (see ``forward``).
 
     Returns:
         The loss in nats per byte, a float32 scalar.
     """
-    logits = forward(params, x, heads)
+    logits = forward(params, x, heads, hand)
     # float32 mean: a float32 loss for bfloat16 parameters too
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, y)
     return ce.mean(dtype=jnp.float32)
@@ -362,7 +385,10 @@ def loss_fn(params: dict, x: jax.Array, y: jax.Array, heads: int) -> jax.Array:
 # ---------------------------------------------------------------------------
 # Modes: one entry each. compute: amp compute dtype (None: no amp);
 # scaler: "dynamic" for float16 loss scaling, None for a static (no-op) scale;
-# policy: amp policy.
+# policy: amp policy; wrap: without amp, a cast around the float32 model
+# (jmp's); hand: the hand-written bfloat16 model (``forward(hand=True)``).
+# jmp_bf16 and hand_bf16 are the baselines a user would otherwise pick
+# (benchmarks/seed_study.py trains them against the amp modes).
 
 
 def _fp8_policy():
@@ -384,12 +410,26 @@ def _fp16_policy():
     return {**jaxamp.default_amp_policy, "scan": jaxamp.use_compute_precision}
 
 
+def _jmp_cast(fn: Callable) -> Callable:
+    # jmp's cast-everything recipe ("params=float32,compute=bfloat16,
+    # output=float32"): the float32 model run on bfloat16 parameters, its
+    # LayerNorms, softmax and cross-entropy in bfloat16 too.
+    try:
+        import jmp
+    except ImportError:  # jaxamp's port has jmp's Policy, cast for cast
+        from jaxamp.migration import jmp
+    policy = jmp.get_policy("params=float32,compute=bfloat16,output=float32")
+    return lambda p, *a: policy.cast_to_output(fn(policy.cast_to_compute(p), *a))
+
+
 MODES: dict[str, dict[str, Any]] = {
     "fp32": {"compute": None, "scaler": None},
     "bf16": {"compute": jnp.bfloat16, "scaler": None},
     "fp16": {"compute": jnp.float16, "scaler": "dynamic", "policy": _fp16_policy},
     "fp8": {"compute": jnp.bfloat16, "scaler": None, "policy": _fp8_policy},
     "int8": {"compute": jnp.bfloat16, "scaler": None, "policy": _int8_policy},
+    "jmp_bf16": {"compute": None, "scaler": None, "wrap": _jmp_cast},
+    "hand_bf16": {"compute": None, "scaler": None, "hand": True},
 }
 ALL_MODES = ["fp32", "bf16", "fp16"]  # what --mode all trains, in this order
 
@@ -406,14 +446,15 @@ def mode_loss(mode: str, cfg: Config) -> Callable:
         wrapped in ``jaxamp.amp`` with the mode's compute dtype and policy
         otherwise.
     """
-    fn = lambda p, x, y: loss_fn(p, x, y, cfg.heads)  # noqa: E731
+    hand = MODES[mode].get("hand", False)
+    fn = lambda p, x, y: loss_fn(p, x, y, cfg.heads, hand)  # noqa: E731
     return _amp_for(mode, fn, cfg.residual_dtype)
 
 
 def _amp_for(mode: str, fn: Callable, residual_dtype: str = "compute") -> Callable:
     spec = MODES[mode]
     if spec["compute"] is None:
-        return fn
+        return spec.get("wrap", lambda f: f)(fn)
     kw = {"residual_dtype": RESIDUAL_DTYPES[residual_dtype]}
     if "policy" in spec:
         kw["amp_policy"] = spec["policy"]()
@@ -523,8 +564,10 @@ def train(
     Returns:
         The mode's figures: ``losses`` (every step's training loss),
         ``final_train_loss`` (mean of the last 10), ``val_loss`` (nats),
-        ``val_bits_per_char``, ``tokens_per_s`` (steady state, after the
-        compiling step and one warm step), ``skipped_steps``,
+        ``val_bits_per_char``, ``val_curve`` (``(step, validation loss)``
+        pairs every ``cfg.eval_every`` steps and at the end),
+        ``tokens_per_s`` (steady state, after the compiling step and one warm
+        step, the validations' time excluded), ``skipped_steps``,
         ``forward_overflows`` (steps whose loss was non-finite: a float16
         overflow in the forward pass, made visible by amp's overflow check),
         ``final_loss_scale``, ``low_precision_flop_share`` (of the matmul
@@ -566,14 +609,24 @@ def train(
     if cfg.update_in_backward:
         step = _step_in_backward(loss, opt)
     eval_loss = jax.jit(loss)
+    val_it = batches(val_data, cfg.batch_size, cfg.seq_len, cfg.seed + 1)
+    val_batches = [next(val_it) for _ in range(cfg.eval_batches)]
+    validate = lambda: float(  # noqa: E731
+        np.mean([float(eval_loss(params, *b)) for b in val_batches])
+    )
+    val_curve = []  # (step, validation loss) every cfg.eval_every steps
     it = batches(train_data, cfg.batch_size, cfg.seq_len, cfg.seed)
     tokens_per_step = cfg.batch_size * cfg.seq_len
-    losses, t_steady = [], None
+    losses, t_steady, eval_s = [], None, 0.0
     bar = _progress(cfg.steps, mode, progress)
     for i in range(cfg.steps):
         x, y = next(it)
         params, opt_state, scaler, value = step(params, opt_state, scaler, x, y)
         losses.append(float(value))
+        if cfg.eval_every and (i + 1) % cfg.eval_every == 0 and i + 1 < cfg.steps:
+            t_eval = time.perf_counter()
+            val_curve.append((i + 1, validate()))
+            eval_s += time.perf_counter() - t_eval if i >= 2 else 0.0
         if i == 1:
             t_steady = time.perf_counter()  # after compilation and one warm step
         if bar is not None:
@@ -585,13 +638,9 @@ def train(
             bar.update()
     if bar is not None:
         bar.close()
-    elapsed = time.perf_counter() - t_steady if t_steady else float("nan")
-    val_it = batches(val_data, cfg.batch_size, cfg.seq_len, cfg.seed + 1)
-    val = float(
-        np.mean(
-            [float(eval_loss(params, *next(val_it))) for _ in range(cfg.eval_batches)]
-        )
-    )
+    elapsed = time.perf_counter() - t_steady - eval_s if t_steady else float("nan")
+    val = validate()
+    val_curve.append((cfg.steps, val))
     x0, y0 = next(batches(train_data, cfg.batch_size, cfg.seq_len, cfg.seed + 2))
     grad_jaxpr = jax.make_jaxpr(jax.grad(loss))(params, x0, y0)
     precision = precision_report(mode, cfg, params, x0, y0) if cfg.report else None
@@ -609,6 +658,7 @@ def train(
         "final_train_loss": float(np.mean(losses[-10:])),
         "val_loss": val,
         "val_bits_per_char": val / math.log(2),
+        "val_curve": val_curve,
         "tokens_per_s": (cfg.steps - 2) * tokens_per_step / elapsed
         if cfg.steps > 2
         else None,
@@ -691,7 +741,8 @@ def loss_forward(mode: str, cfg: Config) -> Callable:
     Returns:
         ``fwd(params, tokens) -> logits``.
     """
-    return _amp_for(mode, lambda p, x: forward(p, x, cfg.heads))
+    hand = MODES[mode].get("hand", False)
+    return _amp_for(mode, lambda p, x: forward(p, x, cfg.heads, hand))
 
 
 def sample(fwd: Callable, params: dict, prompt_src: np.ndarray, cfg: Config) -> str:
@@ -958,6 +1009,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("steps", "batch_size", "seq_len", "d_model", "layers", "heads"):
         if getattr(cfg, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if cfg.eval_every < 0:
+        p.error("--eval-every must be at least 0 (0: validate at the end only)")
     if cfg.d_model % cfg.heads:
         p.error(f"--d-model {cfg.d_model} is not divisible by --heads {cfg.heads}")
     if cfg.update_in_backward and cfg.mode in ("all", "fp16"):

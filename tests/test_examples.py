@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import train_charlm
@@ -117,6 +118,7 @@ def test_charlm_unreadable_data_dir_is_a_one_line_error(tmp_path):
     [
         (["--heads", "3"], "not divisible by --heads 3"),
         (["--steps", "0"], "--steps must be at least 1"),
+        (["--eval-every", "-1"], "--eval-every must be at least 0"),
     ],
 )
 def test_charlm_bad_flags_are_usage_errors(flags, message, capsys):
@@ -282,7 +284,7 @@ def test_charlm_param_dtype_flag_is_checked(capsys):
     "optimizer, state", [("adafactor", "float32"), ("lion", "int8")]
 )
 def test_charlm_one_moment_optimizers_in_the_backward_pass(optimizer, state):
-    # The leanest recipe (issue 62) and Lion with int8 state, updated inside
+    # The leanest recipe and Lion with int8 state, updated inside
     # the backward pass: no gradient tree, bf16 parameters (2 bytes) and
     # nearly no state for the factored moments, 1 byte for Lion's int8 one.
     cfg = train_charlm.Config(
@@ -303,3 +305,54 @@ def test_charlm_one_moment_optimizers_in_the_backward_pass(optimizer, state):
     want = 2.0 if optimizer == "adafactor" else 3.0
     assert want <= per["total"] < want + 0.35, per
     assert np.isfinite(r["val_loss"]) and r["losses"][-1] < r["losses"][0] - 0.3
+
+
+@pytest.mark.parametrize("mode", ["jmp_bf16", "hand_bf16"])
+def test_charlm_baseline_modes_run_in_bfloat16_without_amp(mode):
+    # jmp's cast-everything policy and the hand-written model: every matmul of
+    # the gradient in bfloat16, a float32 loss within bfloat16's rounding of
+    # float32's at initialisation, float32 gradients for float32 parameters.
+    cfg = train_charlm.Config(batch_size=2, seq_len=16, d_model=64, layers=2, heads=2)
+    params = train_charlm.init_params(jax.random.key(0), cfg)
+    x = np.random.default_rng(0).integers(0, 256, (2, 16)).astype(np.int32)
+    loss = train_charlm.mode_loss(mode, cfg)
+    # jax.nn.dot_product_attention on bfloat16 inputs promotes with float32 in
+    # JAX's own code, which strict promotion (conftest) rejects
+    with jax.numpy_dtype_promotion("standard"):
+        _check_bfloat16_baseline(mode, cfg, params, x, loss)
+
+
+def _check_bfloat16_baseline(mode, cfg, params, x, loss):
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(params, x, x)
+    # all but the attention scores (float32 in jax.nn.dot_product_attention)
+    assert jaxamp.tools.low_precision_flop_share(jaxpr) > 0.95
+    value, grads = jax.value_and_grad(loss)(params, x, x)
+    ref = train_charlm.mode_loss("fp32", cfg)(params, x, x)
+    assert value.dtype == np.float32
+    assert abs(float(value) - float(ref)) < 1e-2 * float(ref)
+    assert {g.dtype for g in jax.tree.leaves(grads)} == {np.dtype(np.float32)}
+    # LayerNorm's normalisation (its rsqrt): float32 in the hand-written
+    # model, bfloat16 under jmp's cast-everything policy
+    rsqrt_dtypes = {
+        e.outvars[0].aval.dtype
+        for e, _ in jaxamp.tools.iter_equations(jax.make_jaxpr(loss)(params, x, x))
+        if e.primitive.name == "rsqrt"
+    }
+    expected = np.float32 if mode == "hand_bf16" else jnp.bfloat16
+    assert rsqrt_dtypes == {np.dtype(expected)}
+
+
+def test_charlm_validation_curve_leaves_training_unchanged():
+    # --eval-every measures the validation loss on the final evaluation's
+    # batches along the run; the training losses and the final validation loss
+    # are those of a run without it, bit for bit.
+    cfg = train_charlm.Config(**TINY_CHARLM, steps=6, max_bytes=200_000)
+    data = train_charlm.load_corpus(None, cfg.max_bytes)
+    plain = train_charlm.train(cfg, "bf16", data, progress=False)
+    cfg.eval_every = 4
+    curve = train_charlm.train(cfg, "bf16", data, progress=False)
+    assert curve["losses"] == plain["losses"]
+    assert curve["val_loss"] == plain["val_loss"]
+    assert [s for s, _ in curve["val_curve"]] == [4, 6]
+    assert plain["val_curve"] == [(6, plain["val_loss"])]
+    assert curve["val_curve"][0][1] != curve["val_loss"]  # measured at step 4
