@@ -116,8 +116,7 @@ def layerwise_adafactor(
         eps: added to the squared gradient.
 
     Returns:
-        An optax ``GradientTransformation`` (state: optax's ``FactoredState``,
-        then the momentum's ``EmaState`` when given).
+        An optax ``GradientTransformation`` (``FactoredState``, then ``EmaState``).
     """
     tx = [
         optax.scale_by_factored_rms(
