@@ -206,6 +206,11 @@ def _nudged_initial_params(cfg):
     return jax.tree.map(lambda a: a.astype(cfg.param_dtype), params)
 
 
+# The commit checked out when this process started: the code its runs run
+# ("+dirty": with uncommitted changes).
+STARTED_AT = _commit()
+
+
 def train_one(
     recipe: str, steps: int, seed: int, data, overrides=None, nudge: bool = False
 ) -> dict:
@@ -258,7 +263,7 @@ def train_one(
         "nudged_init": nudge,
         "tokens_per_s": r["tokens_per_s"],
         "wall_s": r["wall_s"],
-        "commit": _commit(),
+        "commit": STARTED_AT,
         "jax_version": jax.__version__,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "finished_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
@@ -444,6 +449,10 @@ def summarize(runs: list[dict]) -> list[dict]:
 # Report
 
 
+def _mean_std(mean: float, std: float) -> str:
+    return f"{mean:.4f} ± {std:.4f}" if math.isfinite(std) else f"{mean:.4f} (one seed)"
+
+
 def table(rows: list[dict]) -> str:
     """The Markdown table of ``summarize``'s rows."""
     head = (
@@ -464,8 +473,8 @@ def table(rows: list[dict]) -> str:
             diff = pct = "-"
         out.append(
             f"| {r['steps']} | {r['recipe']} | {len(r['seeds'])} "
-            f"| {r['mean']:.4f} ± {r['std']:.4f} "
-            f"| {r['mean'] / ln2:.4f} ± {r['std'] / ln2:.4f} | {diff} | {pct} "
+            f"| {_mean_std(r['mean'], r['std'])} "
+            f"| {_mean_std(r['mean'] / ln2, r['std'] / ln2)} | {diff} | {pct} "
             f"| {r.get('verdict', 'reference')} | {r['skipped']} | {r['overflows']} "
             f"| {r['diverged']} |"
         )
