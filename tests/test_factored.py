@@ -6,46 +6,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import STACK_D as D
+from helpers import STACK_L as L
+from helpers import hundreds_batch as _batch
+from helpers import stacked_mlp as _net
+from helpers import stacked_mlp_params as _params
 
 import jaxamp
 from jaxamp import _compat
 from jaxamp._training import _factored
 from jaxamp.training import layerwise_adafactor
-
-L, D = 3, 32
-
-
-def _net(params, x):
-    """LayerNorm with a gain, a GELU MLP, layers stacked in ``lax.scan``."""
-
-    def layer(h, p):
-        mean = h.mean(-1, keepdims=True)
-        var = jnp.square(h - mean).mean(-1, keepdims=True)
-        n = (h - mean) * jax.lax.rsqrt(var + 1e-5) * p["gain"]
-        return h + jax.nn.gelu(n @ p["w1"] + p["b1"]) @ p["w2"], None
-
-    h, _ = jax.lax.scan(layer, x, params["layers"])
-    return jnp.mean(jax.nn.logsumexp(h @ params["head"], axis=-1))
-
-
-def _params(dtype=jnp.bfloat16):
-    k = jax.random.split(jax.random.key(0), 5)
-    params = {
-        "layers": {
-            "gain": 1.0 + 0.1 * jax.random.normal(k[0], (L, D)),
-            "w1": jax.random.normal(k[1], (L, D, 4 * D)) / D**0.5,
-            "b1": 0.1 * jax.random.normal(k[4], (L, 4 * D)),
-            "w2": jax.random.normal(k[2], (L, 4 * D, D)) / (4 * D) ** 0.5,
-        },
-        "head": jax.random.normal(k[3], (D, 8)) / D**0.5,
-    }
-    return jax.tree.map(lambda a: a.astype(dtype), params)
-
-
-def _batch(i):
-    x = 100.0 * jax.random.normal(jax.random.key(10 + i), (16, D))
-    return x.astype(jnp.bfloat16).astype(jnp.float32)  # hundreds, bf16-exact
-
 
 LOSS = jaxamp.amp(_net, compute_dtype=jnp.bfloat16, residual_dtype="int8")
 
